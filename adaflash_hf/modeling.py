@@ -1,0 +1,306 @@
+"""`AdaFlashDrafter` (the DFlash block-diffusion drafter) and `AdaptiveLengthHead` (AdaFlash's length head).
+
+The decoder layers, RMSNorm and rotary embedding are transformers' own DFlash modules (those of
+`MuseGlimmerAssistantModel`): they implement exactly the DFlash attention of spec §1.3 (queries from the block,
+keys/values from ``[context ; block]``, q/k norms, rope on absolute positions, non-causal) under the z-lab parameter
+names, so official checkpoints load 1:1 and the in-library DFlash path is our numerical reference.
+"""
+
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import DFlashCache
+from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
+    MuseGlimmerAssistantDecoderLayer as DFlashDecoderLayer,
+    MuseGlimmerAssistantRMSNorm as DFlashRMSNorm,
+    MuseGlimmerAssistantRotaryEmbedding as DFlashRotaryEmbedding,
+)
+
+from .configuration import AdaFlashConfig
+
+
+class AdaptiveLengthHeadConfig(PreTrainedConfig):
+    r"""
+    Configuration of a standalone [`AdaptiveLengthHead`] (a head trained on top of a frozen published drafter).
+
+    Args:
+        hidden_size (`int`): the drafter's (and target's) hidden size.
+        bottleneck_dim (`int`, defaults to 256): the head's width.
+        block_size (`int`, defaults to 16): block size the head was trained for; its output is a fraction of it.
+        direct_len (`bool`, defaults to `True`): the head predicts (accepted + 1) / block_size.
+        base_drafter (`str`, *optional*): id or path of the drafter the head was trained on.
+    """
+
+    model_type = "adaflash_length_head"
+
+    def __init__(self, hidden_size=4096, bottleneck_dim=256, block_size=16, direct_len=True, base_drafter=None, **kw):
+        self.hidden_size = hidden_size
+        self.bottleneck_dim = bottleneck_dim
+        self.block_size = block_size
+        self.direct_len = direct_len
+        self.base_drafter = base_drafter
+        super().__init__(**kw)
+
+
+class AdaptiveLengthHead(PreTrainedModel):
+    """AdaFlash's "two_model" thresh head (spec §6.1).
+
+    Reads the drafter's final-normed block hidden states ``x`` of shape ``[..., block_size, H]`` (anchor included)
+    and returns ``pred`` of shape ``[...]`` in (0, 1): the predicted ``(accepted drafts + 1) / block_size``.
+    Tensor names (``down``, ``res.0``, ``out``) are those of the AdaFlash checkpoints.
+    """
+
+    config: AdaptiveLengthHeadConfig
+    main_input_name = "hidden_states"
+
+    def __init__(self, config: AdaptiveLengthHeadConfig):
+        super().__init__(config)
+        width = config.bottleneck_dim
+        self.down = nn.Linear(2 * config.hidden_size, width)
+        self.res = nn.Sequential(nn.Linear(width, width), nn.SiLU())
+        self.out = nn.Linear(width, 1)
+        self.post_init()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        features = torch.cat([hidden_states.mean(dim=-2), hidden_states[..., -1, :]], dim=-1)
+        hidden = nn.functional.silu(self.down(features))
+        hidden = hidden + self.res(hidden)
+        return torch.sigmoid(self.out(hidden)).squeeze(-1)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Saves the head and uploads it with a README rendered from `model_cards/length_head.md`."""
+        from .hub import push_length_head_to_hub
+
+        return push_length_head_to_hub(self, repo_id, **kwargs)
+
+
+@dataclass
+class AdaFlashDrafterOutput(BaseModelOutputWithPast):
+    r"""
+    last_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_blocks * block_size, hidden_size)`):
+        Final-normed hidden states of the block positions, ready for the target's `lm_head`. Position 0 of each
+        block is the anchor; position k predicts the token at absolute position `anchor + k`.
+    cache (`DFlashCache`, *optional*): the drafter cache, holding the context K/V (and the block rows until cropped).
+    length_prediction (`torch.FloatTensor` of shape `(batch_size, num_blocks)`, *optional*):
+        The adaptive length head's prediction of `(accepted + 1) / block_size` per block, when the drafter has a head.
+        Computed on detached hidden states, so its loss never reaches the drafter (spec §6.3).
+    """
+
+    length_prediction: torch.FloatTensor | None = None
+
+
+class AdaFlashPreTrainedModel(PreTrainedModel):
+    config: AdaFlashConfig
+    base_model_prefix = ""
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MuseGlimmerAssistantDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+    main_input_name = "noise_embeds"
+
+
+class AdaFlashDrafter(AdaFlashPreTrainedModel):
+    """The DFlash drafter (spec §1), optionally with AdaFlash's adaptive length head (spec §6).
+
+    It has no embeddings and no LM head: callers embed the block with the target's input embeddings and project
+    `last_hidden_state` with the target's output embeddings. Load any official z-lab DFlash or AdaFlash checkpoint,
+    or one of ours, with `AdaFlashDrafter.from_pretrained(path_or_repo_id)` (see `adaflash_hf.formats`).
+    """
+
+    # Duck-typed marker read by the generate() routing: it survives PEFT wrapping, `isinstance` does not.
+    _is_adaflash_drafter = True
+
+    def __init__(self, config: AdaFlashConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DFlashRotaryEmbedding(config=config)
+        self.thresh_head_two_model = AdaptiveLengthHead(self._length_head_config()) if config.use_length_head else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        cache: DFlashCache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> AdaFlashDrafterOutput:
+        r"""
+        noise_embeds (`[B, Q, H]`): target embeddings of the block(s): `[anchor, mask * (block_size - 1)]` per block.
+        context_hidden_states (`[B, C, K*H]`): concatenated target features (`hidden_states[i + 1]` for each id in
+            `target_layer_ids`) of the C context positions not yet in `cache`.
+        position_ids (`[B, C + Q]`): absolute positions of the new context rows followed by the block rows.
+        attention_mask: `None` (every block row sees all context and its block), a 2D `[B, past + C + Q]` padding
+            mask, or a prepared 4D `[B, 1, Q, past + C + Q]` mask (boolean: True = attend), e.g. the block-sparse
+            training mask; a dict `{layer_type: mask}` is used as is.
+        cache (`DFlashCache`): K/V of `[context ; block]` are appended per layer; callers crop the block rows.
+        """
+        self._check_context_width(context_hidden_states)
+        dtype = self.fc.weight.dtype
+        noise_embeds = noise_embeds.to(dtype)
+        if use_cache and cache is None:
+            cache = DFlashCache(config=self.config)
+        context = self.hidden_norm(self.fc(context_hidden_states.to(dtype)))
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + context.shape[1] + noise_embeds.shape[1], device=context.device)
+            position_ids = position_ids.unsqueeze(0)
+        masks = self._attention_masks(noise_embeds, attention_mask, cache)
+
+        hidden = noise_embeds
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
+            hidden = layer(
+                hidden,
+                context_hidden_states=context,
+                position_embeddings=position_embeddings,
+                attention_mask=masks[layer_type],
+                cache=cache,
+                **kwargs,
+            )
+        hidden = self.norm(hidden)
+        return AdaFlashDrafterOutput(last_hidden_state=hidden, cache=cache, length_prediction=self._predict_length(hidden))
+
+    def _check_context_width(self, context_hidden_states: torch.Tensor):
+        expected = self.fc.in_features
+        if context_hidden_states.shape[-1] != expected:
+            raise ValueError(
+                f"context_hidden_states has width {context_hidden_states.shape[-1]}, but the drafter expects "
+                f"{expected} = len(target_layer_ids={self.config.target_layer_ids}) * hidden_size={self.config.hidden_size}: "
+                "concatenate target hidden_states[i + 1] for each id in drafter.config.target_layer_ids"
+            )
+
+    def _attention_masks(self, noise_embeds, attention_mask, cache) -> dict:
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if attention_mask.dtype == torch.bool:
+                # An additive mask is exact for every backend; eager would *add* a boolean mask to the scores.
+                # finfo.min (not -inf) keeps fully masked rows (padded blocks) finite instead of NaN.
+                blocked = torch.finfo(noise_embeds.dtype).min
+                attention_mask = torch.zeros_like(attention_mask, dtype=noise_embeds.dtype).masked_fill(
+                    ~attention_mask, blocked
+                )
+            return dict.fromkeys(("full_attention", "sliding_attention"), attention_mask)
+        # Every cached context position precedes the block, so "bidirectional" is exactly "all context + the block".
+        kwargs = {"config": self.config, "inputs_embeds": noise_embeds, "attention_mask": attention_mask, "cache": cache}
+        builders = {
+            "full_attention": create_bidirectional_mask,
+            "sliding_attention": create_bidirectional_sliding_window_mask,
+        }
+        return {kind: builders[kind](**kwargs) for kind in set(self.config.layer_types)}
+
+    def _predict_length(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        head, block_size = self.thresh_head_two_model, self.config.block_size
+        if head is None or hidden.shape[1] % block_size:
+            return None
+        blocks = hidden.detach().unflatten(1, (hidden.shape[1] // block_size, block_size))
+        return head(blocks.to(head.down.weight.dtype))
+
+    # ------------------------------------------------------------------ length head
+
+    @property
+    def length_head(self) -> AdaptiveLengthHead | None:
+        """The adaptive length head (stored as `thresh_head_two_model`, its name in AdaFlash checkpoints)."""
+        return self.thresh_head_two_model
+
+    def _length_head_config(self) -> AdaptiveLengthHeadConfig:
+        return AdaptiveLengthHeadConfig(
+            hidden_size=self.config.hidden_size,
+            bottleneck_dim=self.config.length_head_bottleneck_dim,
+            block_size=self.config.block_size,
+            direct_len=self.config.length_head_direct_len,
+            base_drafter=self.config.name_or_path or None,
+        )
+
+    def add_length_head(self, head: AdaptiveLengthHead | None = None) -> AdaptiveLengthHead:
+        """Attaches `head` (or a freshly initialised, untrained one to train) and makes `adaptive` the policy."""
+        if head is None:
+            head = AdaptiveLengthHead(self._length_head_config())
+        else:
+            self._check_length_head(head)
+        ref = self.fc.weight
+        self.thresh_head_two_model = head.to(device=ref.device, dtype=ref.dtype)
+        self.config.use_length_head = True
+        self.config.length_head_bottleneck_dim = head.config.bottleneck_dim
+        self.config.length_head_direct_len = head.config.direct_len
+        self.config.length_policy = "adaptive"
+        return head
+
+    def load_length_head(self, path_or_repo_id: str | os.PathLike, **kwargs) -> AdaptiveLengthHead:
+        """Loads a separately published length head (`AdaptiveLengthHead.save_pretrained`) and attaches it."""
+        from .formats import load_length_head
+
+        return self.add_length_head(load_length_head(path_or_repo_id, **kwargs))
+
+    def _check_length_head(self, head: AdaptiveLengthHead):
+        mine, theirs = self.config, head.config
+        if theirs.hidden_size != mine.hidden_size or theirs.block_size != mine.block_size:
+            raise ValueError(
+                f"Length head was trained for hidden_size={theirs.hidden_size}, block_size={theirs.block_size}; "
+                f"this drafter has hidden_size={mine.hidden_size}, block_size={mine.block_size}. "
+                "Use a head trained on this drafter (trainers/init_length_head.py)."
+            )
+
+    # ------------------------------------------------------------------ target pairing
+
+    def check_compatible(self, target: PreTrainedModel) -> None:
+        """Raises one `ValueError` naming every mismatch between this drafter and `target`."""
+        from .formats import check_drafter_target
+
+        check_drafter_target(self.config, target)
+
+    # ------------------------------------------------------------------ formats
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Loads an official z-lab DFlash or AdaFlash checkpoint, or one of ours, from the Hub or a local dir.
+
+        Never executes code from the repository and never unpickles (safetensors only). Accepts the usual
+        `from_pretrained` keywords (`dtype`, `device_map`, `revision`, `token`, `cache_dir`, `local_files_only`)
+        plus config overrides (e.g. `length_policy="confidence"`).
+        """
+        from .formats import load_drafter
+
+        return load_drafter(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, save_format: str = "dflash", **kwargs):
+        """Saves atomically in the official DFlash schema (`save_format="dflash"`, read by SGLang, vLLM and
+        z-lab code) or in the native schema (`save_format="adaflash"`, read by `AutoModel` after `import adaflash_hf`).
+        Both use the official tensor names."""
+        from .formats import save_drafter
+
+        return save_drafter(self, save_directory, *args, save_format=save_format, **kwargs)
+
+    def _save_pretrained_native(self, save_directory, *args, **kwargs):
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def push_to_hub(self, repo_id: str, *, card_data: dict | None = None, **kwargs):
+        """Saves, renders a model card from `model_cards/drafter.md` and uploads (see `adaflash_hf.hub`)."""
+        from .hub import push_drafter_to_hub
+
+        return push_drafter_to_hub(self, repo_id, card_data=card_data, **kwargs)
+
+
+__all__ = [
+    "AdaFlashDrafter",
+    "AdaFlashDrafterOutput",
+    "AdaFlashPreTrainedModel",
+    "AdaptiveLengthHead",
+    "AdaptiveLengthHeadConfig",
+]

@@ -1,0 +1,146 @@
+"""Tiny models built from configs, and checkpoint directories laid out exactly like the Hub repos."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
+
+VOCAB = 128
+MASK_ID = VOCAB - 1
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+)
+FAMILIES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16)),
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(head_dim=16)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(head_dim=16, sliding_window=None)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict()),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                            moe_intermediate_size=32, decoder_sparse_step=1)),
+}
+
+
+def tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**_COMMON, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).eval()
+    # Random tiny models are near-uniform; sharper logits give greedy paths with structure and EOS hits.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def tiny_drafter(target, num_hidden_layers: int = 2, block_size: int = 8, target_layer_ids=(0, 2),
+                 use_length_head: bool = False, seed: int = 1, **overrides):
+    torch.manual_seed(seed)
+    config = AdaFlashConfig.from_target_config(
+        target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, mask_token_id=MASK_ID,
+        target_layer_ids=list(target_layer_ids), use_length_head=use_length_head, **overrides,
+    )
+    return AdaFlashDrafter(config).eval()
+
+
+# ------------------------------------------------------------------- Hub-like checkpoint directories
+
+# The official z-lab config of z-lab/Qwen3-8B-DFlash-b16 (spec §2.1), at a tiny geometry.
+ZLAB_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 8,
+    "bos_token_id": 0,
+    "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": [0, 2]},
+    "dtype": "bfloat16",
+    "eos_token_id": 1,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "layer_types": ["full_attention", "full_attention"],
+    "max_position_embeddings": 512,
+    "max_window_layers": 2,
+    "model_type": "qwen3",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "num_target_layers": 4,
+    "pad_token_id": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": VOCAB,
+}
+ADAFLASH_HEAD_FLAGS = {"use_thresh_head_two_model": True, "thresh_head_bottleneck_dim": 32, "thresh_head_direct_len": True}
+
+# A repository file that must never run: loading executes no code from the repo.
+DFLASH_PY = "raise RuntimeError('remote code from the checkpoint repository was executed')\n"
+
+
+def official_tensor_shapes(config: dict, with_head: bool) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of spec §2.3, derived from the config alone."""
+    h, hd, inter = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    k = len(config["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (h, k * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (nq * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+    if with_head:
+        b = config["dflash_config"]["thresh_head_bottleneck_dim"]
+        shapes.update({
+            "thresh_head_two_model.down.weight": (b, 2 * h), "thresh_head_two_model.down.bias": (b,),
+            "thresh_head_two_model.res.0.weight": (b, b), "thresh_head_two_model.res.0.bias": (b,),
+            "thresh_head_two_model.out.weight": (1, b), "thresh_head_two_model.out.bias": (1,),
+        })
+    return shapes
+
+
+def write_hub_checkpoint(directory, kind: str = "dflash", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Writes a z-lab DFlash (`kind="dflash"`) or AdaFlash (`kind="adaflash"`) repo; returns its tensors."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = json.loads(json.dumps(ZLAB_CONFIG))
+    if kind == "adaflash":
+        config["dflash_config"].update(ADAFLASH_HEAD_FLAGS)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: (torch.randn(shape, generator=gen) * (0.05 if len(shape) > 1 else 1.0) + (1.0 if len(shape) == 1 and "norm" in name else 0.0)).to(torch.bfloat16)
+        for name, shape in official_tensor_shapes(config, with_head=kind == "adaflash").items()
+    }
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    (directory / "dflash.py").write_text(DFLASH_PY)
+    (directory / "README.md").write_text("---\nlicense: mit\n---\n# DFlash drafter\n")
+    return tensors
