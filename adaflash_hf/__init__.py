@@ -8,6 +8,15 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration import AdaFlashConfig, build_target_layer_ids
 from .formats import CheckpointError
+from .generation import (
+    AdaFlashCandidateGenerator,
+    LengthPolicy,
+    SpeculativeStats,
+    generate_loop,
+    install,
+    record_stats,
+    uninstall,
+)
 from .modeling import AdaFlashDrafter, AdaFlashDrafterOutput, AdaptiveLengthHead, AdaptiveLengthHeadConfig
 
 __version__ = "0.1.0"
@@ -16,13 +25,21 @@ AutoConfig.register(AdaFlashConfig.model_type, AdaFlashConfig, exist_ok=True)
 AutoModel.register(AdaFlashConfig, AdaFlashDrafter, exist_ok=True)
 AutoConfig.register(AdaptiveLengthHeadConfig.model_type, AdaptiveLengthHeadConfig, exist_ok=True)
 AutoModel.register(AdaptiveLengthHeadConfig, AdaptiveLengthHead, exist_ok=True)
+install()
 
 __all__ = [
+    "AdaFlashCandidateGenerator",
     "AdaFlashConfig",
     "AdaFlashDrafter",
     "AdaFlashDrafterOutput",
     "AdaptiveLengthHead",
     "AdaptiveLengthHeadConfig",
     "CheckpointError",
+    "LengthPolicy",
+    "SpeculativeStats",
     "build_target_layer_ids",
+    "generate_loop",
+    "install",
+    "record_stats",
+    "uninstall",
 ]

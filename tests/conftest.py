@@ -13,3 +13,35 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _oracle_row_tracking(monkeypatch):
+    """Tells oracle drafters (tests/helpers.py) which batch rows remain when finished rows leave the batch."""
+    from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
+
+    original = AdaFlashCandidateGenerator.select_rows
+
+    def select_rows(self, index):
+        original(self, index)
+        hook = getattr(self.drafter, "on_select_rows", None)
+        if hook is not None:
+            hook(index)
+
+    monkeypatch.setattr(AdaFlashCandidateGenerator, "select_rows", select_rows)
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """A character-level tokenizer over the tiny models' 128 ids (ids 0-3 special, then printable characters)."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<s>", "</s>", "<pad>", "<unk>"] + list(string.ascii_letters + string.digits + string.punctuation)
+    names += [f"<{i}>" for i in range(len(names), 128)]
+    backend = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")

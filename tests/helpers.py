@@ -144,3 +144,53 @@ def write_hub_checkpoint(directory, kind: str = "dflash", seed: int = 0) -> dict
     (directory / "dflash.py").write_text(DFLASH_PY)
     (directory / "README.md").write_text("---\nlicense: mit\n---\n# DFlash drafter\n")
     return tensors
+
+
+# ------------------------------------------------------------------- oracle drafters
+
+
+class OracleDrafter(AdaFlashDrafter):
+    """A drafter that drafts known future tokens: the reference continuation of each row, optionally corrupted.
+
+    It runs the real drafter forward (so its cache evolves exactly like a real drafter's), then replaces the
+    drafted positions' hidden states with vectors whose projection by the target's lm_head has the wanted argmax
+    by a wide margin. `corrupt(row, anchor_position) -> draft indices (1-based)` forces rejections where wanted.
+    Rows are tracked across finished-row removal through `AdaFlashCandidateGenerator.select_rows` (see
+    `track_rows`).
+    """
+
+    def setup(self, target, references, corrupt=None, margin: float = 60.0):
+        weight = target.get_output_embeddings().weight.detach().float()
+        solution = torch.linalg.lstsq(weight, margin * torch.eye(weight.shape[0])).solution  # [H, V]
+        assert torch.equal((weight @ solution).argmax(0), torch.arange(weight.shape[0])), "oracle cannot force tokens"
+        self.token_hidden = solution.T.contiguous()
+        self.references = [list(map(int, r)) for r in references]
+        self.corrupt = corrupt or (lambda row, anchor: ())
+        self.rows = list(range(len(self.references)))
+        return self
+
+    def on_select_rows(self, index):
+        self.rows = [self.rows[i] for i in index.tolist()]
+
+    def forward(self, noise_embeds, context_hidden_states, position_ids=None, attention_mask=None, cache=None, **kw):
+        if cache is not None and cache.get_seq_length() == 0:
+            self.rows = list(range(len(self.references)))
+        out = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kw)
+        bs, vocab = self.config.block_size, self.token_hidden.shape[0]
+        wanted = torch.zeros(noise_embeds.shape[0], bs - 1, dtype=torch.long)
+        for slot, row in enumerate(self.rows):
+            reference, anchor = self.references[row], int(position_ids[slot, -bs])
+            for k in range(1, bs):
+                token = reference[anchor + k] if anchor + k < len(reference) else 3
+                wanted[slot, k - 1] = (token + 1) % vocab if k in self.corrupt(row, anchor) else token
+        hidden = out.last_hidden_state.clone()
+        hidden[:, 1:] = self.token_hidden[wanted].to(hidden.dtype)
+        out.last_hidden_state = hidden
+        return out
+
+
+def oracle_drafter(target, references, corrupt=None, **kwargs) -> OracleDrafter:
+    drafter = tiny_drafter(target, **kwargs)
+    oracle = OracleDrafter(drafter.config)
+    oracle.load_state_dict(drafter.state_dict())
+    return oracle.eval().setup(target, references, corrupt)

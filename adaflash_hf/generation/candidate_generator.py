@@ -1,0 +1,192 @@
+"""`AdaFlashCandidateGenerator`: drafts one DFlash block per step and decides how much of it to offer the target.
+
+State, per batch row, kept exact across steps (spec §3.3, invariant 2 of §8):
+
+* the drafter's `DFlashCache` holds context K/V for exactly the committed positions whose target features have been
+  fed, i.e. ``[0, anchor)``; every step feeds the *new* features (prompt at first, then the anchor and accepted
+  drafts of the previous step), appends one block, and crops the block rows again;
+* rows of a batch feed different numbers of new positions; the shorter ones are padded and their padding is masked
+  out for the rest of the generation by a 2D mask over the cache rows (``cache_mask``, ``None`` while nothing is
+  masked, which keeps batch 1 on the mask-free fast path).
+
+The drafter always drafts the whole block, because its cache must stay consistent; the length policy then decides how
+many drafts the target verifies. `draft()` is the batched core used by `adaflash_hf`'s decoding loop;
+`get_candidates()` is the transformers `CandidateGenerator` contract (batch 1) built on it, so transformers' own
+assisted-decoding loop can drive the same drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DFlashCache
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import LogitsProcessorList
+
+from .length_policy import LengthPolicy
+from .processing import process_positions, token_chooser
+
+
+@dataclass
+class Drafts:
+    """One drafted block per row.
+
+    tokens ``[B, block_size - 1]``: drafts (samples from `probs` when sampling, else argmax).
+    logits ``[B, block_size - 1, V]``: processed drafter logits (float32).
+    probs ``[B, block_size - 1, V]``: softmax of `logits` when sampling, else ``None``.
+    num_drafts ``[B]``: drafts to verify (candidate length - 1, capped by the token budget).
+    candidate_lengths ``[B]``: what the length policy chose, anchor included.
+    """
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor
+    probs: torch.Tensor | None
+    num_drafts: torch.LongTensor
+    candidate_lengths: torch.LongTensor
+
+
+def _all_true(mask: torch.Tensor | None) -> bool:
+    return mask is None or bool(mask.all())
+
+
+class AdaFlashCandidateGenerator(CandidateGenerator):
+    """Drafts with an AdaFlash / DFlash drafter from the target's hidden states.
+
+    Args:
+        target: the target `PreTrainedModel`; its input embeddings embed the block, its output embeddings give logits.
+        drafter: an `AdaFlashDrafter` (or a PEFT model wrapping one).
+        generation_config: the call's `GenerationConfig` (`do_sample`, `max_length`, `adaflash_*` policy overrides).
+        logits_processor: the processors the target's logits get; the drafter's logits get the same.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter, generation_config, logits_processor: LogitsProcessorList | None = None):
+        drafter.check_compatible(target)
+        config = drafter.config
+        self.drafter = drafter
+        self.device = drafter.device
+        self.input_embeddings = target.get_input_embeddings()
+        self.output_embeddings = target.get_output_embeddings()
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.target_layer_ids = list(config.target_layer_ids)
+        # Only the layers the drafter reads are materialised by the target (None elsewhere).
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
+        self.policy = LengthPolicy.resolve(config, generation_config)
+        self.do_sample = bool(generation_config.do_sample)
+        self.choose = token_chooser(self.do_sample)
+        self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
+        self.max_length = generation_config.max_length
+        self.cache = DFlashCache(config=config)
+        self.cache_mask: torch.Tensor | None = None
+        self._pending: tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None] | None = None
+
+    # ------------------------------------------------------------------ batched core
+
+    def context_features(self, hidden_states: tuple) -> torch.Tensor:
+        """``[B, T, K * H]`` drafter context from the target's `hidden_states` tuple (``hidden_states[i + 1]``)."""
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+    def add_context(self, features: torch.Tensor, positions: torch.LongTensor, valid: torch.Tensor | None = None):
+        """Queues the target features of newly committed positions for the next `draft()`.
+
+        features ``[B, n, K * H]``, positions ``[B, n]``, valid ``[B, n]`` bool (``None``: all rows fed ``n``).
+        """
+        self._pending = (features.to(self.device), positions.to(self.device), None if _all_true(valid) else valid.to(self.device))
+
+    def select_rows(self, index: torch.LongTensor) -> None:
+        """Keeps only the batch rows in `index` (finished rows stop costing drafter compute)."""
+        self.cache.batch_select_indices(index.to(self.device))
+        if self.cache_mask is not None:
+            self.cache_mask = self.cache_mask[index]
+        if self._pending is not None:
+            features, positions, valid = self._pending
+            self._pending = (features[index], positions[index], None if valid is None else valid[index])
+
+    @torch.no_grad()
+    def draft(
+        self,
+        anchors: torch.LongTensor,
+        anchor_positions: torch.LongTensor,
+        sequences: torch.LongTensor,
+        lengths: torch.LongTensor,
+        max_drafts: torch.LongTensor,
+    ) -> Drafts:
+        """Drafts one block per row after the queued context.
+
+        anchors ``[B]``: last committed token per row (not yet seen by the target); anchor_positions ``[B]``: its
+        position. sequences ``[B, T]`` / lengths ``[B]``: committed ids per row, for the logits processors.
+        max_drafts ``[B]``: most drafts each row may still use (token budget minus the bonus token).
+        """
+        features, positions, valid = self._pending
+        self._pending = None
+        batch, new = features.shape[:2]
+        offsets = torch.arange(self.block_size, device=self.device)
+        block_ids = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=anchors.device)
+        block_ids[:, 0] = anchors
+        noise = self.input_embeddings(block_ids.to(self.input_embeddings.weight.device))
+        position_ids = torch.cat([positions, anchor_positions.to(self.device)[:, None] + offsets], dim=1)
+
+        context_mask = self._context_mask(batch, new, valid)
+        attention_mask = None if context_mask is None else torch.cat([context_mask, torch.ones_like(context_mask[:, :1]).expand(-1, self.block_size)], 1)
+        self.cache.set_previous_accepted_tokens(new)
+        out = self.drafter(
+            noise_embeds=noise.to(self.device),
+            context_hidden_states=features,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=self.cache,
+        )
+        self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
+        self.cache_mask = context_mask
+
+        hidden = out.last_hidden_state[:, 1:].to(self.output_embeddings.weight.device, self.output_embeddings.weight.dtype)
+        logits = self.output_embeddings(hidden).float().to(anchors.device)
+        logits, tokens = process_positions(self.logits_processor, sequences, lengths, logits, choose=self.choose)
+        probs = torch.softmax(logits, dim=-1) if self.do_sample or self.policy.needs_confidence else None
+        candidate_lengths = self.policy.candidate_lengths(
+            self.block_size,
+            batch,
+            length_prediction=None if out.length_prediction is None else out.length_prediction[:, 0],
+            draft_confidence=probs.amax(-1) if self.policy.needs_confidence else None,
+            device=anchors.device,
+        )
+        num_drafts = torch.minimum(candidate_lengths - 1, max_drafts.clamp(min=0))
+        return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts, candidate_lengths)
+
+    def _context_mask(self, batch: int, new: int, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """Validity of every drafter cache row after this step's context is appended (``None``: all valid)."""
+        if self.cache_mask is None and valid is None:
+            return None
+        past = self.cache_mask
+        if past is None:
+            past = torch.ones(batch, self.cache.get_seq_length(), dtype=torch.bool, device=self.device)
+        if valid is None:
+            valid = torch.ones(batch, new, dtype=torch.bool, device=self.device)
+        return torch.cat([past, valid], dim=1)
+
+    # ------------------------------------------------------------------ transformers' CandidateGenerator contract
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs):
+        """transformers' assisted-decoding contract (batch 1): ``(input_ids + k drafts, their logits or None)``."""
+        if is_first_iteration:
+            return input_ids, None  # the loop's first pass is the target prefill, which yields our first context
+        if input_ids.shape[0] != 1:
+            raise ValueError("transformers' assisted loop is batch 1; batched inputs go through adaflash_hf's loop")
+        cur_len = input_ids.shape[1]
+        fed = cur_len - 1 - self.cache.get_seq_length()  # positions whose features the drafter has not seen yet
+        features = self.context_features(model_outputs.hidden_states)[:, :fed]
+        positions = model_kwargs["position_ids"][:, -fed - 1 : -1]
+        self.add_context(features, positions)
+        budget = torch.tensor([self.max_length - cur_len - 1], device=input_ids.device)
+        drafts = self.draft(input_ids[:, -1], positions[:, -1] + 1, input_ids, torch.tensor([cur_len]), budget)
+        k = int(drafts.num_drafts[0])
+        if k == 0:
+            return input_ids, None  # never a zero-width logits tensor: the loop would slice everything
+        logits = drafts.logits[:, :k] if self.do_sample else None
+        return torch.cat([input_ids, drafts.tokens[:, :k]], dim=1), logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        """The length policy is stateless per step; nothing to adapt here."""

@@ -1,0 +1,152 @@
+"""Routes ``target.generate(..., assistant_model=drafter)`` to AdaFlash when the assistant is an AdaFlash drafter.
+
+transformers 5.24 has no public registry for speculative decoding methods, so `install()` wraps three private
+`GenerationMixin` methods. Each wrapper is a pure function of its arguments (thread-safe, no global state), dispatches
+on the drafter's duck-typed `_is_adaflash_drafter` marker (which survives PEFT wrapping, unlike `isinstance`), and
+otherwise chains to the method that was there before, so ordinary assistants and other patchers are untouched:
+
+* `_validate_generation_mode`: clear errors for what speculative decoding cannot do (beam search, ...);
+* `_assisted_decoding`: our loop (`decoding.py`), any batch size;
+* `_get_candidate_generator`: `AdaFlashCandidateGenerator`, for callers that choose transformers' own loop with
+  ``GenerationConfig(adaflash_decoding_loop="transformers")`` (batch 1; compile, output_attentions, ...).
+
+``speculation_type="dflash"`` always reaches transformers' native DFlash path, with our drafter as its assistant.
+The wrapped signatures are checked at install; if they changed, nothing is wrapped and a warning points to the
+public `custom_generate=adaflash_hf.generate_loop` entry point, which needs no patch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerationMixin
+
+from .candidate_generator import AdaFlashCandidateGenerator
+from .decoding import adaflash_decoding
+
+EXPECTED_SIGNATURES = {
+    "_assisted_decoding": (
+        "self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus",
+        "streamer", "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer", "model_kwargs",
+    ),
+    "_get_candidate_generator": (
+        "self", "generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs",
+        "assistant_model", "target_tokenizer", "assistant_tokenizer",
+    ),
+    "_validate_generation_mode": ("self", "generation_mode", "generation_config", "generation_mode_kwargs"),
+}
+_MARK = "__adaflash_previous__"
+
+
+def is_adaflash_drafter(model) -> bool:
+    return model is not None and bool(getattr(model, "_is_adaflash_drafter", False))
+
+
+def _ours(assistant_model, generation_config) -> bool:
+    return is_adaflash_drafter(assistant_model) and generation_config.speculation_type != "dflash"
+
+
+def _uses_our_loop(generation_config) -> bool:
+    loop = getattr(generation_config, "adaflash_decoding_loop", None) or "adaflash"
+    if loop not in ("adaflash", "transformers"):
+        raise ValueError(f"adaflash_decoding_loop={loop!r} must be 'adaflash' or 'transformers'")
+    return loop == "adaflash"
+
+
+def _validate_generation_mode(previous, self, generation_mode, generation_config, generation_mode_kwargs):
+    assistant = generation_mode_kwargs.get("assistant_model")
+    if _ours(assistant, generation_config):
+        if generation_mode != GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(
+                f"An AdaFlash drafter supports greedy decoding and sampling, not {generation_mode.value} "
+                f"(num_beams={generation_config.num_beams}): set num_beams=1, or drop assistant_model."
+            )
+        if "assistant_tokenizer" in generation_mode_kwargs:
+            raise ValueError("An AdaFlash drafter shares the target's tokenizer: do not pass assistant_tokenizer.")
+    return previous(self, generation_mode, generation_config, generation_mode_kwargs)
+
+
+def _assisted_decoding(previous, self, input_ids, logits_processor, stopping_criteria, generation_config,
+                       synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None,
+                       assistant_tokenizer=None, tokenizer=None, **model_kwargs):
+    if _ours(assistant_model, generation_config) and (_uses_our_loop(generation_config) or input_ids.shape[0] > 1):
+        if synced_gpus:
+            raise ValueError("adaflash_hf's decoding loop does not support synced_gpus (FSDP/ZeRO-3 generation).")
+        return adaflash_decoding(
+            self, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config,
+            streamer=streamer, **model_kwargs,
+        )
+    return previous(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                    inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs)
+
+
+def _get_candidate_generator(previous, self, generation_config, input_ids, inputs_tensor, logits_processor,
+                             model_kwargs, assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+    if _ours(assistant_model, generation_config):
+        return AdaFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor)
+    return previous(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                    assistant_model, target_tokenizer, assistant_tokenizer)
+
+
+_WRAPPERS = {
+    "_assisted_decoding": _assisted_decoding,
+    "_get_candidate_generator": _get_candidate_generator,
+    "_validate_generation_mode": _validate_generation_mode,
+}
+
+
+def is_installed() -> bool:
+    return all(hasattr(getattr(GenerationMixin, name), _MARK) for name in _WRAPPERS)
+
+
+def install() -> bool:
+    """Wraps the generate() internals once (idempotent). Returns whether the routing is active."""
+    if is_installed():
+        return True
+    changed = [
+        name for name, params in EXPECTED_SIGNATURES.items()
+        if tuple(inspect.signature(getattr(GenerationMixin, name)).parameters) != params
+    ]
+    if changed:
+        warnings.warn(
+            f"adaflash_hf: this transformers version changed {changed}, so generate(assistant_model=drafter) is not "
+            "routed to AdaFlash. Use target.generate(**inputs, custom_generate=adaflash_hf.generate_loop, "
+            "drafter=drafter) instead, or install a tested transformers version (see pyproject.toml).",
+            stacklevel=2,
+        )
+        return False
+    for name, wrapper in _WRAPPERS.items():
+        setattr(GenerationMixin, name, _bind(wrapper, getattr(GenerationMixin, name)))
+    return True
+
+
+def _bind(wrapper, previous):
+    @functools.wraps(previous)
+    def method(self, *args, **kwargs):
+        return wrapper(previous, self, *args, **kwargs)
+
+    setattr(method, _MARK, previous)
+    return method
+
+
+def uninstall() -> None:
+    """Restores the methods that were there before `install()`."""
+    for name in _WRAPPERS:
+        current = getattr(GenerationMixin, name)
+        if hasattr(current, _MARK):
+            setattr(GenerationMixin, name, getattr(current, _MARK))
+
+
+def generate_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, drafter=None,
+                  adaflash_streamer=None, **model_kwargs):
+    """Patch-free entry point: ``target.generate(**inputs, custom_generate=adaflash_hf.generate_loop, drafter=d)``.
+
+    transformers does not forward `streamer` to a `custom_generate` callable, hence `adaflash_streamer`.
+    """
+    if not is_adaflash_drafter(drafter):
+        raise ValueError("generate_loop needs drafter=<AdaFlashDrafter> (custom_generate callables get no assistant_model)")
+    return adaflash_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                             streamer=adaflash_streamer, **model_kwargs)

@@ -1,0 +1,145 @@
+"""Per-call speculative decoding statistics: ``with adaflash_hf.record_stats() as stats: target.generate(...)``.
+
+Recording is scoped by a `ContextVar`, so concurrent threads (or asyncio tasks) each see only their own calls, and a
+decoding loop with no active recorder does no timing work at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+_RECORDERS: ContextVar[tuple[SpeculativeStats, ...]] = ContextVar("adaflash_recorders", default=())
+
+
+@dataclass
+class StepRecord:
+    """One verification step of one generate() call; list entries are per active row.
+
+    rows: row indices (into the call's batch) that were verified this step.
+    candidate_lengths: tokens each row offered the target (anchor included).
+    accepted: drafts accepted per row. emitted: tokens committed per row (accepted + 1, less if a stop hit).
+    verify_width: tokens per row in the padded verification forward (max candidate length).
+    draft_time_s / target_time_s: wall time of the drafter and of the target forward (device-synchronised).
+    """
+
+    rows: list[int]
+    candidate_lengths: list[int]
+    accepted: list[int]
+    emitted: list[int]
+    verify_width: int
+    draft_time_s: float
+    target_time_s: float
+
+
+@dataclass
+class CallRecord:
+    batch_size: int
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def row(self, index: int) -> dict:
+        """Per-row figures: verification steps, emitted tokens, mean acceptance length."""
+        emitted = steps = verified = 0
+        for step in self.steps:
+            if index in step.rows:
+                slot = step.rows.index(index)
+                steps, emitted, verified = steps + 1, emitted + step.emitted[slot], verified + step.candidate_lengths[slot]
+        return {
+            "steps": steps,
+            "emitted_tokens": emitted,
+            "verified_tokens": verified,
+            "mean_acceptance_length": emitted / steps if steps else 0.0,
+        }
+
+
+@dataclass
+class SpeculativeStats:
+    """Everything recorded inside one `record_stats()` block."""
+
+    calls: list[CallRecord] = field(default_factory=list)
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        return [step for call in self.calls for step in call.steps]
+
+    def _total(self, name: str) -> int:
+        return sum(sum(getattr(step, name)) for step in self.steps)
+
+    @property
+    def verification_steps(self) -> int:
+        """Row-steps: a step that verifies R rows counts R times."""
+        return sum(len(step.rows) for step in self.steps)
+
+    @property
+    def emitted_tokens(self) -> int:
+        return self._total("emitted")
+
+    @property
+    def verified_tokens(self) -> int:
+        return self._total("candidate_lengths")
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Emitted tokens per target verification step, bonus included (DFlash's tau); prefill excluded."""
+        return self.emitted_tokens / max(self.verification_steps, 1)
+
+    @property
+    def verified_tokens_per_emitted_token(self) -> float:
+        return self.verified_tokens / max(self.emitted_tokens, 1)
+
+    @property
+    def draft_time_s(self) -> float:
+        return sum(step.draft_time_s for step in self.steps)
+
+    @property
+    def target_time_s(self) -> float:
+        return sum(step.target_time_s for step in self.steps)
+
+    def summary(self) -> dict:
+        return {
+            "calls": len(self.calls),
+            "verification_steps": self.verification_steps,
+            "emitted_tokens": self.emitted_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "verified_tokens_per_emitted_token": self.verified_tokens_per_emitted_token,
+            "draft_time_s": self.draft_time_s,
+            "target_time_s": self.target_time_s,
+        }
+
+
+@contextlib.contextmanager
+def record_stats():
+    """Collects a `SpeculativeStats` for every speculative generate() call made inside the block (nesting allowed)."""
+    stats = SpeculativeStats()
+    token = _RECORDERS.set(_RECORDERS.get() + (stats,))
+    try:
+        yield stats
+    finally:
+        _RECORDERS.reset(token)
+
+
+class CallRecorder:
+    """What a decoding loop holds for one call; a no-op when nobody records."""
+
+    def __init__(self, batch_size: int, device: torch.device):
+        recorders = _RECORDERS.get()
+        self.active = bool(recorders)
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        if self.active:
+            self.call = CallRecord(batch_size)
+            for stats in recorders:
+                stats.calls.append(self.call)
+
+    def clock(self) -> float:
+        if not self.active:
+            return 0.0
+        self._sync()
+        return time.perf_counter()
+
+    def add(self, **record) -> None:
+        if self.active:
+            self.call.steps.append(StepRecord(**record))
