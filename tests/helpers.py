@@ -49,10 +49,12 @@ def tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
 
 
 def tiny_drafter(target, num_hidden_layers: int = 2, block_size: int = 8, target_layer_ids=(0, 2),
-                 use_length_head: bool = False, seed: int = 1, **overrides):
+                 use_length_head: bool = False, seed: int = 1, mask_token_id: int | None = None, **overrides):
     torch.manual_seed(seed)
+    if mask_token_id is None:
+        mask_token_id = target.config.vocab_size - 1
     config = AdaFlashConfig.from_target_config(
-        target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, mask_token_id=MASK_ID,
+        target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, mask_token_id=mask_token_id,
         target_layer_ids=list(target_layer_ids), use_length_head=use_length_head, **overrides,
     )
     return AdaFlashDrafter(config).eval()

@@ -1,0 +1,170 @@
+"""Routing of generate(assistant_model=...), the length policies against the native DFlash path, and errors."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+from helpers import oracle_drafter, tiny_drafter, tiny_target
+from peft import LoraConfig, get_peft_model
+from transformers import GenerationConfig
+from transformers.generation import DFlashTokenCandidateGenerator
+from transformers.generation.utils import GenerationMixin
+
+import adaflash_hf
+from adaflash_hf.generation import routing
+
+PROMPT = torch.tensor([[0, 5, 9, 33, 17, 4, 80]])
+
+
+def _greedy(target, **kwargs):
+    return target.generate(PROMPT, max_new_tokens=40, do_sample=False, **kwargs)
+
+
+def _native_acceptance(target, drafter, monkeypatch):
+    seen = []
+    monkeypatch.setattr(DFlashTokenCandidateGenerator, "update_candidate_strategy",
+                        lambda self, input_ids, scores, num_matches: seen.append(int(num_matches)), raising=False)
+    out = _greedy(target, assistant_model=drafter, speculation_type="dflash")
+    return out, seen
+
+
+def test_fixed_policy_equals_the_native_dflash_path_token_and_step(monkeypatch):
+    target = tiny_target()
+    reference = _greedy(target)
+    corrupt = {7: {3}, 10: {1}, 11: {6}, 17: {2, 5}}
+    drafter = oracle_drafter(target, [reference[0]], corrupt=lambda row, anchor: corrupt.get(anchor, ()))
+    native, native_steps = _native_acceptance(target, drafter, monkeypatch)
+    with adaflash_hf.record_stats() as stats:
+        ours = _greedy(target, assistant_model=drafter)
+    assert torch.equal(ours, native) and torch.equal(ours, reference)
+    assert [s.accepted[0] for s in stats.steps] == native_steps[1:]  # native's first entry is its prefill pass
+    assert native_steps[1:5] == [2, 0, 5, 1]
+
+
+def test_adaptive_policy_follows_the_length_head():
+    target = tiny_target()
+    reference = _greedy(target)
+    drafter = oracle_drafter(target, [reference[0]], use_length_head=True, length_head_bottleneck_dim=16)
+    with torch.no_grad():
+        drafter.length_head.out.weight.mul_(200.0)  # a random head predicts ~0.5 everywhere; spread it out
+    predictions = []
+    drafter.length_head.register_forward_hook(lambda module, args, out: predictions.append(float(out.flatten()[0])))
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, adaflash_length_rate=1.2, adaflash_min_candidate_length=2)
+    with adaflash_hf.record_stats() as stats:
+        out = target.generate(PROMPT, generation_config=config, assistant_model=drafter)
+    assert torch.equal(out, reference)
+    expected = [min(8, max(2, round(p * 8 * 1.2))) for p in predictions]
+    budget = [40 - 1 - sum(s.emitted[0] for s in stats.steps[:i]) for i in range(len(stats.steps))]
+    assert [s.candidate_lengths[0] for s in stats.steps] == [min(e, b) for e, b in zip(expected, budget)]
+    assert len(set(expected)) > 1  # the head's predictions really vary the length
+
+
+def test_adaptive_without_a_head_is_a_clear_error():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="needs a drafter with a length head"):
+        target.generate(PROMPT, max_new_tokens=5, assistant_model=tiny_drafter(target),
+                        generation_config=GenerationConfig(adaflash_length_policy="adaptive", max_new_tokens=5))
+
+
+def test_transformers_loop_with_our_generator_matches_our_loop():
+    target = tiny_target()
+    reference = _greedy(target)
+    corrupt = {7: {3}, 10: {1}}
+    drafter = oracle_drafter(target, [reference[0]], corrupt=lambda row, anchor: corrupt.get(anchor, ()))
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, adaflash_decoding_loop="transformers")
+    assert torch.equal(target.generate(PROMPT, generation_config=config, assistant_model=drafter), reference)
+
+
+def test_an_ordinary_assistant_still_uses_transformers_assisted_generation():
+    target = tiny_target()
+    assistant = tiny_target(num_hidden_layers=1, seed=5)
+    assert torch.equal(_greedy(target, assistant_model=assistant), _greedy(target))
+
+
+def test_install_is_idempotent_and_uninstall_restores():
+    assert routing.is_installed()
+    wrapped = GenerationMixin._assisted_decoding
+    assert adaflash_hf.install() and GenerationMixin._assisted_decoding is wrapped
+    originals = {name: getattr(getattr(GenerationMixin, name), routing._MARK) for name in routing.EXPECTED_SIGNATURES}
+    try:
+        adaflash_hf.uninstall()
+        assert all(getattr(GenerationMixin, name) is fn for name, fn in originals.items())
+        assert not routing.is_installed()
+    finally:
+        adaflash_hf.install()
+    assert routing.is_installed()
+
+
+def test_changed_internals_warn_and_the_custom_generate_entry_point_works(monkeypatch):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    adaflash_hf.uninstall()
+    try:
+        monkeypatch.setitem(routing.EXPECTED_SIGNATURES, "_assisted_decoding", ("self", "renamed"))
+        with pytest.warns(UserWarning, match="custom_generate=adaflash_hf.generate_loop"):
+            assert adaflash_hf.install() is False
+        assert not routing.is_installed()
+        out = target.generate(PROMPT, max_new_tokens=40, do_sample=False, custom_generate=adaflash_hf.generate_loop,
+                              drafter=drafter)
+        assert torch.equal(out, _greedy(target))
+    finally:
+        monkeypatch.undo()
+        adaflash_hf.install()
+
+
+def test_peft_wrapped_drafter_is_routed():
+    target = tiny_target()
+    drafter = get_peft_model(tiny_drafter(target), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with adaflash_hf.record_stats() as stats:
+        out = _greedy(target, assistant_model=drafter)
+    assert torch.equal(out, _greedy(target)) and stats.verification_steps > 0
+
+
+def test_record_stats_is_per_thread():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    results = {}
+
+    def run(name, new_tokens):
+        with adaflash_hf.record_stats() as stats:
+            target.generate(PROMPT, max_new_tokens=new_tokens, do_sample=False, assistant_model=drafter)
+        results[name] = stats
+
+    threads = [threading.Thread(target=run, args=(f"t{n}", n)) for n in (12, 30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results["t12"].calls) == len(results["t30"].calls) == 1
+    assert results["t12"].emitted_tokens == 11 and results["t30"].emitted_tokens == 29
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_incompatible_drafter_is_named_before_generation():
+    drafter = tiny_drafter(tiny_target())
+    with pytest.raises(ValueError, match="hidden size: drafter 64 vs target 96"):
+        tiny_target(hidden_size=96, head_dim=24).generate(PROMPT, max_new_tokens=5, assistant_model=drafter)
+
+
+def test_beam_search_is_refused():
+    target = tiny_target()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="not beam_search.*set num_beams=1"):
+            target.generate(PROMPT, max_new_tokens=5, num_beams=2, assistant_model=tiny_drafter(target))
+
+
+def test_num_return_sequences_is_refused():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="num_return_sequences has to be 1"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=True, num_return_sequences=2, assistant_model=tiny_drafter(target))
+
+
+def test_non_croppable_target_is_refused():
+    target = tiny_target()
+    target.config.layer_types = ["full_attention", "linear_attention", "full_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"\['linear_attention'\] layers whose cache cannot be cropped"):
+        tiny_drafter(tiny_target()).check_compatible(target)
