@@ -26,7 +26,7 @@ def _oracle_row_tracking(monkeypatch):
         original(self, index)
         hook = getattr(self.drafter, "on_select_rows", None)
         if hook is not None:
-            hook(index)
+            hook(index, self.cache)
 
     monkeypatch.setattr(AdaFlashCandidateGenerator, "select_rows", select_rows)
 

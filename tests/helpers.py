@@ -168,15 +168,20 @@ class OracleDrafter(AdaFlashDrafter):
         self.token_hidden = solution.T.contiguous()
         self.references = [list(map(int, r)) for r in references]
         self.corrupt = corrupt or (lambda row, anchor: ())
-        self.rows = list(range(len(self.references)))
+        self._call_cache = None
         return self
 
-    def on_select_rows(self, index):
+    def _follow(self, cache):
+        """A new generate() call brings a new drafter cache: every reference row is back in the batch."""
+        if cache is not self._call_cache:
+            self._call_cache, self.rows = cache, list(range(len(self.references)))
+
+    def on_select_rows(self, index, cache):
+        self._follow(cache)
         self.rows = [self.rows[i] for i in index.tolist()]
 
     def forward(self, noise_embeds, context_hidden_states, position_ids=None, attention_mask=None, cache=None, **kw):
-        if cache is not None and cache.get_seq_length() == 0:
-            self.rows = list(range(len(self.references)))
+        self._follow(cache)
         out = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kw)
         bs, vocab = self.config.block_size, self.token_hidden.shape[0]
         wanted = torch.zeros(noise_embeds.shape[0], bs - 1, dtype=torch.long)
