@@ -1,0 +1,199 @@
+"""Side-by-side generation benchmark: every method on the same prompts, interleaved so machine drift cancels.
+
+Each method is a way to call ``target.generate``; all are measured by the same instruments:
+
+* wall time around the call (prefill included), giving tokens/s over the tokens each row really generated;
+* a forward pre-hook on the target counting its verification forwards and the tokens they process (padding
+  included, because padding costs compute), giving the mean acceptance length (tokens committed per target forward
+  after the prefill) and the processed tokens per emitted token;
+* the outputs compared with plain greedy generation row by row (fp32 is exact; other dtypes are reported as they are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import GenerationConfig
+
+METHODS = ("plain", "hf_assisted", "prompt_lookup", "native_dflash", "adaflash_fixed", "adaflash_adaptive")
+BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
+
+
+@dataclass
+class BenchRecord:
+    method: str
+    batch_size: int
+    domain: str
+    dtype: str
+    tokens_per_s: float
+    speedup: float
+    mean_acceptance_length: float
+    verified_per_emitted: float
+    identical_fraction: float
+    emitted_tokens: int
+    seconds: float
+
+
+@dataclass
+class _Tally:
+    seconds: float = 0.0
+    tokens: int = 0
+    row_forwards: int = 0
+    processed: int = 0
+    identical: int = 0
+    rows: int = 0
+
+
+class ForwardCounter:
+    """Counts the target's forwards, the batch rows they serve and the tokens they process (a hook, no patch).
+
+    The first forward of a call is the prefill; it is left out of every figure.
+    """
+
+    def __init__(self, model):
+        self.model, self.sizes = model, []
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.sizes.append(ids.shape)
+
+    @property
+    def row_forwards(self) -> int:
+        return sum(shape[0] for shape in self.sizes[1:])
+
+    @property
+    def processed_tokens(self) -> int:
+        return sum(shape[0] * shape[1] for shape in self.sizes[1:])
+
+    @contextlib.contextmanager
+    def counting(self):
+        self.sizes = []
+        handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+
+def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
+    """`generate()` keyword arguments that select a method."""
+    if method == "plain":
+        return {}
+    if method == "hf_assisted":
+        return {"assistant_model": ar_draft}
+    if method == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": 10}
+    if method == "native_dflash":
+        return {"assistant_model": drafter, "speculation_type": "dflash"}
+    policy = {"adaflash_fixed": "fixed", "adaflash_adaptive": "adaptive"}[method]
+    return {"assistant_model": drafter, "adaflash_length_policy": policy}
+
+
+def available_methods(methods, batch_size: int, drafter=None, ar_draft=None) -> list[str]:
+    """The methods that can run at this batch size with these models."""
+    usable = []
+    for method in methods:
+        if batch_size > 1 and method in BATCH_1_ONLY:
+            continue
+        if method == "hf_assisted" and ar_draft is None:
+            continue
+        if method.startswith(("native", "adaflash")) and drafter is None:
+            continue
+        if method == "adaflash_adaptive" and not drafter.config.use_length_head:
+            continue
+        usable.append(method)
+    return usable
+
+
+def _generated_rows(sequences, prompt_width, eos_ids) -> list[list[int]]:
+    """Each row's generated tokens up to and including its first EOS (what follows is padding)."""
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def run_benchmark(
+    target,
+    tokenizer,
+    prompts_by_domain: dict[str, list[str]],
+    *,
+    drafter=None,
+    ar_draft=None,
+    methods=METHODS,
+    batch_sizes=(1,),
+    max_new_tokens: int = 128,
+    repeats: int = 1,
+    progress=None,
+) -> list[BenchRecord]:
+    """Runs every usable method on every domain and batch size, interleaving methods batch by batch."""
+    dtype = str(target.dtype).replace("torch.", "")
+    counter = ForwardCounter(target)
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    records = []
+    for domain, prompts in prompts_by_domain.items():
+        for batch_size in batch_sizes:
+            usable = available_methods(methods, batch_size, drafter, ar_draft)
+            tallies = {m: _Tally() for m in usable}
+            batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+            for step, (repeat, batch) in enumerate(itertools.product(range(repeats), batches)):
+                inputs = tokenizer(batch, return_tensors="pt", padding=True).to(target.device)
+                rotation = usable[step % len(usable):] + usable[: step % len(usable)]
+                outputs = {
+                    method: _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tallies[method])
+                    for method in rotation
+                }
+                for method, rows in outputs.items():
+                    tallies[method].identical += sum(r == p for r, p in zip(rows, outputs.get("plain", ())))
+                if progress is not None:
+                    progress.update(1)
+            plain_speed = _speed(tallies.get("plain"))
+            for method, tally in tallies.items():
+                speed = _speed(tally)
+                records.append(BenchRecord(
+                    method=method,
+                    batch_size=batch_size,
+                    domain=domain,
+                    dtype=dtype,
+                    tokens_per_s=speed,
+                    speedup=speed / plain_speed if plain_speed else float("nan"),
+                    mean_acceptance_length=(tally.tokens - tally.rows) / max(tally.row_forwards, 1),
+                    verified_per_emitted=tally.processed / max(tally.tokens - tally.rows, 1),
+                    identical_fraction=tally.identical / max(tally.rows, 1) if "plain" in tallies else float("nan"),
+                    emitted_tokens=tally.tokens,
+                    seconds=tally.seconds,
+                ))
+    return records
+
+
+def _speed(tally) -> float:
+    return tally.tokens / tally.seconds if tally and tally.seconds else 0.0
+
+
+def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tally) -> list[list[int]]:
+    kwargs = method_kwargs(method, drafter, ar_draft)
+    adaflash = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("adaflash_")}
+    config = GenerationConfig(**{**target.generation_config.to_dict(), "do_sample": False, "max_new_tokens": max_new_tokens, **adaflash})
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    with counter.counting():
+        sync()
+        start = time.perf_counter()
+        out = target.generate(**inputs, generation_config=config, **kwargs)
+        sync()
+        tally.seconds += time.perf_counter() - start
+    tally.row_forwards += counter.row_forwards
+    tally.processed += counter.processed_tokens
+    rows = _generated_rows(out, inputs["input_ids"].shape[1], eos_ids)
+    tally.tokens += sum(map(len, rows))
+    tally.rows += len(rows)
+    return rows
+
+
+def records_as_dicts(records) -> list[dict]:
+    return [asdict(r) for r in records]

@@ -1,0 +1,208 @@
+"""The `adaflash` command: `demo`, `bench` and `train`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+WORLD_DIR = Path(__file__).parent / "world" / "data"
+GENERIC_PROMPTS = {
+    "chat": [
+        "Explain in a few sentences why the sky is blue.",
+        "Write a Python function that returns the n-th Fibonacci number.",
+        "A farmer has 12 cows and buys 7 more, then sells 5. How many cows does he have?",
+    ]
+}
+
+
+def _add_model_args(parser):
+    parser.add_argument("--target", help="target model id or path (default: the shipped demo world's target)")
+    parser.add_argument("--drafter", help="AdaFlash/DFlash drafter id or path (default: the demo world's drafter)")
+    parser.add_argument("--tokenizer", help="tokenizer id or path (default: the target's, or the demo world's)")
+    parser.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_models(args):
+    """Target, tokenizer, drafter, optional AR draft model and prompts, from the demo world or the given ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adaflash_hf import AdaFlashDrafter
+
+    world = args.target is None
+    if world and not (WORLD_DIR / "target").exists():
+        sys.exit(f"The demo world is not built ({WORLD_DIR} is missing): run `python trainers/build_demo_world.py`, "
+                 "or pass --target and --drafter.")
+    if not world and args.drafter is None:
+        sys.exit("--target needs --drafter (an AdaFlash or z-lab DFlash drafter for that target)")
+    dtype = getattr(torch, args.dtype)
+    target_path = str(WORLD_DIR / "target") if world else args.target
+    drafter_path = str(WORLD_DIR / "drafter") if args.drafter is None else args.drafter
+    tokenizer_path = args.tokenizer or (str(WORLD_DIR / "tokenizer") if world else target_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer.padding_side = "left"
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(args.device).eval()
+    drafter = AdaFlashDrafter.from_pretrained(drafter_path, dtype=dtype).to(args.device).eval()
+    ar_draft = None
+    if world and (WORLD_DIR / "ar_draft").exists():
+        ar_draft = AutoModelForCausalLM.from_pretrained(str(WORLD_DIR / "ar_draft"), dtype=dtype).to(args.device).eval()
+    prompts = _world_prompts() if world else _chat_prompts(tokenizer)
+    return target, tokenizer, drafter, ar_draft, prompts
+
+
+def _world_prompts() -> dict[str, list[str]]:
+    prompts: dict[str, list[str]] = {}
+    for path in sorted((WORLD_DIR / "prompts").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            prompts.setdefault(row["domain"], []).append(row["prompt"])
+    return prompts
+
+
+def _chat_prompts(tokenizer) -> dict[str, list[str]]:
+    if tokenizer.chat_template is None:
+        return GENERIC_PROMPTS
+    return {
+        domain: [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                          enable_thinking=False)
+            for p in prompts
+        ]
+        for domain, prompts in GENERIC_PROMPTS.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------- demo
+
+
+def demo(args) -> int:
+    """Plain generate() vs AdaFlash on a few prompts per domain: text, identity, acceptance, speed."""
+    import torch
+    from tqdm.auto import tqdm
+
+    import adaflash_hf
+
+    target, tokenizer, drafter, _, prompts = load_models(args)
+    chosen = {domain: texts[: args.prompts_per_domain] for domain, texts in prompts.items()}
+    total = sum(map(len, chosen.values()))
+    summary = []
+    with tqdm(total=total, desc="demo", unit="prompt", file=sys.stderr) as progress:
+        for domain, texts in chosen.items():
+            plain_s = fast_s = tokens = identical = 0
+            with adaflash_hf.record_stats() as stats:
+                for text in texts:
+                    inputs = tokenizer(text, return_tensors="pt").to(target.device)
+                    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+                    start = time.perf_counter()
+                    plain = target.generate(**inputs, **kwargs)
+                    middle = time.perf_counter()
+                    fast = target.generate(**inputs, assistant_model=drafter, **kwargs)
+                    end = time.perf_counter()
+                    plain_s, fast_s = plain_s + middle - start, fast_s + end - middle
+                    tokens += plain.shape[1] - inputs["input_ids"].shape[1]
+                    identical += int(torch.equal(plain, fast))
+                    progress.update(1)
+            new_text = tokenizer.decode(fast[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            print(f"\n[{domain}] ...{text[-160:]!s}\n  -> {new_text[:240]!s}")
+            summary.append((domain, identical, len(texts), stats.mean_acceptance_length, tokens / plain_s, tokens / fast_s))
+    print("\n| domain | identical | acceptance length | plain tok/s | AdaFlash tok/s | speedup |")
+    print("|---|---|---|---|---|---|")
+    for domain, same, n, tau, plain_speed, fast_speed in summary:
+        print(f"| {domain} | {same}/{n} | {tau:.2f} | {plain_speed:.0f} | {fast_speed:.0f} | {fast_speed / plain_speed:.2f}x |")
+    mean = sum(row[5] / row[4] for row in summary) / len(summary)
+    print(f"\nmean speedup {mean:.2f}x ({args.dtype}, {target.device}); outputs identical: "
+          f"{sum(r[1] for r in summary)}/{sum(r[2] for r in summary)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- bench
+
+
+def bench(args) -> int:
+    """All methods side by side; writes JSON records, a markdown table and PNG plots."""
+    from tqdm.auto import tqdm
+
+    from adaflash_hf.bench.harness import METHODS, records_as_dicts, run_benchmark
+    from adaflash_hf.bench.report import markdown_table, plot_records
+
+    target, tokenizer, drafter, ar_draft, prompts = load_models(args)
+    if args.quick:
+        args.batch_sizes, args.prompts_per_domain, args.max_new_tokens = "1,8", min(args.prompts_per_domain, 8), 64
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    chosen = {d: texts[: args.prompts_per_domain] for d, texts in prompts.items()}
+    steps = sum(len(t) // b for t in chosen.values() for b in batch_sizes) * args.repeats
+    with tqdm(total=steps, desc="bench", unit="batch", file=sys.stderr) as progress:
+        records = run_benchmark(
+            target, tokenizer, chosen, drafter=drafter, ar_draft=ar_draft,
+            methods=args.methods.split(",") if args.methods else METHODS, batch_sizes=batch_sizes,
+            max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=progress,
+        )
+    table = markdown_table(records)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records_as_dicts(records), indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)
+        for path in plot_records(records, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaflash", description="AdaFlash speculative decoding for transformers")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo_parser = commands.add_parser("demo", help="plain generate() vs AdaFlash on the shipped demo world")
+    _add_model_args(demo_parser)
+    demo_parser.add_argument("--prompts-per-domain", type=int, default=3)
+    demo_parser.set_defaults(func=demo)
+
+    bench_parser = commands.add_parser("bench", help="all methods side by side")
+    _add_model_args(bench_parser)
+    bench_parser.add_argument("--methods", help="comma-separated subset of the methods")
+    bench_parser.add_argument("--batch-sizes", default="1,8,32")
+    bench_parser.add_argument("--prompts-per-domain", type=int, default=32)
+    bench_parser.add_argument("--repeats", type=int, default=1)
+    bench_parser.add_argument("--quick", action="store_true", help="reduced set: batch 1 and 8, 8 prompts, 64 tokens")
+    bench_parser.add_argument("--json", help="write the records here")
+    bench_parser.add_argument("--markdown", help="write the table here")
+    bench_parser.add_argument("--plots", help="write PNG plots into this folder")
+    bench_parser.set_defaults(func=bench)
+
+    train_parser = commands.add_parser("train", help="OPD training from a YAML recipe (trainers/*.yaml)")
+    train_parser.add_argument("--config", required=True)
+    train_parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
+    train_parser.set_defaults(func=lambda a: _train(a))
+    return parser
+
+
+def _train(args) -> int:
+    from adaflash_hf.training.cli import train_main
+
+    return train_main(["--config", args.config, *args.overrides])
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
