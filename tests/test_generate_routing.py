@@ -168,3 +168,24 @@ def test_non_croppable_target_is_refused():
     target.config.layer_types = ["full_attention", "linear_attention", "full_attention", "full_attention"]
     with pytest.raises(ValueError, match=r"\['linear_attention'\] layers whose cache cannot be cropped"):
         tiny_drafter(tiny_target()).check_compatible(target)
+
+
+def test_static_cache_is_refused():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="needs a DynamicCache.*cache_implementation='dynamic'"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, cache_implementation="static",
+                        assistant_model=tiny_drafter(target))
+
+
+def test_batched_sliding_window_beyond_the_window_is_refused():
+    target = tiny_target("mistral", sliding_window=16)
+    with pytest.raises(NotImplementedError, match="sliding-window target"):
+        target.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=20, do_sample=False,
+                        assistant_model=tiny_drafter(target))
+
+
+def test_sliding_window_target_at_batch_1_is_lossless():
+    target = tiny_target("mistral", sliding_window=12)
+    reference = _greedy(target)
+    drafter = oracle_drafter(target, [reference[0]], corrupt=lambda row, anchor: {3} if anchor % 2 else ())
+    assert torch.equal(_greedy(target, assistant_model=drafter), reference)

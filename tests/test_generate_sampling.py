@@ -92,3 +92,18 @@ def test_plain_sampling_passes_the_same_test(models):
     torch.manual_seed(99)
     out = target.generate(torch.tensor([PROMPT] * 1500), max_new_tokens=NEW, **SAMPLING)
     assert p_value([tuple(row[len(PROMPT):].tolist()) for row in out], exact_joint(target)) > 1e-3
+
+
+def test_ids_dependent_processors_stay_lossless(models):
+    """Repetition penalty depends on the ids before each position: drafts are processed with their own prefix."""
+    target, drafter = models
+    penalty = dict(repetition_penalty=1.8, top_k=None, top_p=None, temperature=0.9)
+    torch.manual_seed(4321)
+    samples = []
+    with adaflash_hf.record_stats() as stats:
+        for _ in range(3):
+            out = target.generate(torch.tensor([PROMPT] * 500), max_new_tokens=NEW, assistant_model=drafter,
+                                  **{**SAMPLING, **penalty})
+            samples += [tuple(row[len(PROMPT):].tolist()) for row in out]
+    assert sum(sum(s.accepted) for s in stats.steps) > 0
+    assert p_value(samples, exact_joint(target, **penalty)) > 1e-3

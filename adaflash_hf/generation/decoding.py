@@ -18,6 +18,7 @@ other stopping criterion (stop strings, max time, custom criteria) fires, as pla
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -37,6 +38,21 @@ def _prefill_positions(attention_mask: torch.Tensor | None, batch: int, length: 
     return positions.masked_fill(attention_mask == 0, 1)
 
 
+def _check_cache(cache, target, batch_size: int, max_length: int) -> None:
+    if type(cache) is not DynamicCache:
+        raise ValueError(
+            f"AdaFlash decoding needs a DynamicCache (it crops rejected drafts and masks holes), got "
+            f"{type(cache).__name__}: drop cache_implementation= or pass cache_implementation='dynamic'."
+        )
+    window = getattr(target.config.get_text_config(decoder=True), "sliding_window", None)
+    if batch_size > 1 and window is not None and max_length > window:
+        # A sliding window counts cache columns, holes included, so it would see fewer real tokens than plain decoding.
+        raise NotImplementedError(
+            f"Batched AdaFlash decoding with a sliding-window target is exact only while prompt + new tokens fit the "
+            f"window ({window}); got max_length={max_length}. Generate row by row, or lower max_new_tokens."
+        )
+
+
 class SpeculativeDecoding:
     """State and steps of one speculative generate() call (see the module docstring)."""
 
@@ -48,6 +64,7 @@ class SpeculativeDecoding:
         self.generator = AdaFlashCandidateGenerator(target, drafter, generation_config, logits_processor)
         self.hidden_layers = self.generator.model_kwargs_overrides["output_hidden_states"]
         self.cache = model_kwargs["cache"]
+        _check_cache(self.cache, target, input_ids.shape[0], generation_config.max_length)
         self.cache.activate_past_recording()  # lets sliding-window layers roll back rejected tokens
         self.attention_mask = model_kwargs.get("attention_mask")
         self.position_ids = model_kwargs.get("position_ids")
@@ -163,13 +180,13 @@ class SpeculativeDecoding:
         """
         rows = self.active
         counts, finished = self._stop_points(tokens, counts)
-        for slot, row in enumerate(rows.tolist()):
-            count, start = int(counts[slot]), int(self.lengths[row])
-            self.sequences[row, start : start + count] = tokens[slot, :count]
-            if self.scores is not None:
-                self.scores[row].extend(processed[slot, :count])
-            if self.raw_logits is not None:
-                self.raw_logits[row].extend(raw[slot, :count])
+        offsets = torch.arange(tokens.shape[1], device=tokens.device)
+        keep = offsets < counts[:, None]
+        columns = (self.lengths[rows, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
+        self.sequences[rows[:, None].expand_as(columns)[keep], columns[keep]] = tokens[keep]
+        for per_row, values in ((self.scores, processed), (self.raw_logits, raw)):
+            for slot, row in enumerate(rows.tolist() if per_row is not None else ()):
+                per_row[row].extend(values[slot, : int(counts[slot])])
         if self.streamer is not None and len(rows) == 1:
             self.streamer.put(tokens[0, : int(counts[0])].cpu())
         self.lengths[rows] += counts
