@@ -41,7 +41,7 @@ def prompts(count: int, seed: int = 0) -> list[str]:
     return [sentence(STEPS[s], x, 1) for s, x in zip(steps, starts)]
 
 
-def train_target(tokenizer, seconds_budget_steps: int = 300, length: int = 40, seed: int = 0):
+def train_target(tokenizer, num_steps: int = 300, length: int = 40, seed: int = 0):
     """A 2-layer Qwen3 trained to continue synthetic sentences exactly (a few seconds on CPU)."""
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -51,10 +51,13 @@ def train_target(tokenizer, seconds_budget_steps: int = 300, length: int = 40, s
     target = Qwen3ForCausalLM(config)
     optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(seconds_budget_steps):
-        steps = torch.randint(len(STEPS), (32,), generator=gen).tolist()
-        starts = torch.randint(MODULUS, (32,), generator=gen).tolist()
-        ids = torch.tensor([tokenizer(sentence(STEPS[s], x, length))["input_ids"] for s, x in zip(steps, starts)])
+    step_ids = torch.tensor([tokenizer.convert_tokens_to_ids(f"step{k}") for k in STEPS])
+    first_number = tokenizer.convert_tokens_to_ids("n0")
+    for _ in range(num_steps):
+        which = torch.randint(len(STEPS), (32,), generator=gen)
+        starts = torch.randint(MODULUS, (32, 1), generator=gen)
+        numbers = (starts + torch.arange(length) * torch.tensor(STEPS)[which].unsqueeze(1)) % MODULUS
+        ids = torch.cat([step_ids[which].unsqueeze(1), numbers + first_number], dim=1)
         loss = target(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
