@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockLayout, block_supervised_mask
-from .features import draft_blocks, slot_targets, target_features
+from .features import draft_blocks, draft_top1, slot_targets, target_features
 from .losses import accepted_drafts
 from .rollouts import collate_sequences, generate_completions
 
@@ -78,10 +78,10 @@ def measure_acceptance(
         layout = BlockLayout(anchors=anchors, keep=torch.ones_like(anchors, dtype=torch.bool), block_size=block_size)
         features = target_features(target, padded, mask, drafter.config.target_layer_ids)
         output = draft_blocks(drafter, target, padded, features, layout)
-        logits = target.get_output_embeddings()(output.last_hidden_state.to(target.dtype))
+        draft_argmax, _ = draft_top1(target, output.last_hidden_state)
         data_labels, _ = slot_targets(padded, features, layout)
         response = torch.cat([batch["loss_mask"], torch.zeros(1, block_size, dtype=torch.long)], dim=1)
-        matches = (logits.argmax(-1) == data_labels).view(1, -1, block_size) & block_supervised_mask(response, layout)
+        matches = (draft_argmax == data_labels).view(1, -1, block_size) & block_supervised_mask(response, layout)
         accepted = [0] * first + accepted_drafts(matches)[0].tolist()
         lengths += _replay_chain(accepted, first, end)
     if not lengths:

@@ -65,3 +65,18 @@ def slot_targets(input_ids, features: TargetFeatures, layout: BlockLayout) -> tu
     before = (positions - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     return data_labels, hidden.gather(1, before)
 
+
+
+@torch.no_grad()
+def draft_top1(target, hidden: torch.Tensor, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax [B, Q], top probability [B, Q])`` of the drafter's distributions, projected with the target's
+    output head ``chunk_size`` rows at a time so that a large vocabulary never materialises for every row."""
+    head = target.get_output_embeddings()
+    rows = hidden.flatten(0, 1).to(head.weight.dtype)
+    argmax, top = [], []
+    for start in range(0, rows.shape[0], chunk_size):
+        probs = head(rows[start : start + chunk_size]).float().softmax(-1)
+        values, indices = probs.max(-1)
+        argmax.append(indices)
+        top.append(values)
+    return torch.cat(argmax).view(hidden.shape[:2]), torch.cat(top).view(hidden.shape[:2])
