@@ -1,6 +1,7 @@
 """OPDTrainer end to end on the synthetic language: acceptance gain, checkpoints, resume, LoRA, length head, errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +203,33 @@ def test_messages_prompts_use_the_chat_template_and_rollouts_are_cached(target, 
     trainer.train()
     cached = rollouts_module.RolloutStore(tmp_path / "rollouts").load_or_generate(0, lambda: None)
     assert len(cached) == 8 and len(cached[0]["completion_ids"]) == COMPLETION
+
+
+def test_evaluate_on_pairs_and_push_to_hub_uploads_the_hub_format_with_our_card(target, tokenizer, tmp_path,
+                                                                                monkeypatch):
+    pairs = Dataset.from_dict({"prompt": prompts(4), "completion": ["n1 n2 n3 n4 n5 n6 n7 n8 n9 n10 n11"] * 4})
+    args = _args(tmp_path, max_steps=2, hub_model_id="someone/tiny-drafter", per_device_eval_batch_size=2)
+    trainer = _trainer(target, tokenizer, args, eval_dataset=pairs)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and "eval_acceptance_length" in metrics
+    with pytest.raises(ValueError, match="eval_dataset needs prompt/response pairs"):
+        _trainer(target, tokenizer, args, eval_dataset=Dataset.from_dict({"prompt": prompts(2)}))
+
+    uploaded = {}
+
+    def fake_upload_folder(repo_id, folder_path, **kwargs):
+        uploaded.update({p.name: p.read_text() for p in Path(folder_path).iterdir() if p.suffix in (".json", ".md")})
+        return "commit"
+
+    class FakeApi:  # records the upload instead of reaching the Hub
+        def create_repo(self, repo_id, **kwargs):
+            return type("RepoUrl", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            return fake_upload_folder(repo_id, folder_path)
+
+    monkeypatch.setattr("transformers.trainer.hf_api", FakeApi)
+    trainer.push_to_hub()
+    assert json.loads(uploaded["config.json"])["architectures"] == ["DFlashDraftModel"]
+    assert "someone/tiny-drafter" in uploaded["README.md"] and "loss_type=opd" in uploaded["README.md"]

@@ -22,14 +22,20 @@ PROMPT_COLUMNS = ("prompt", "messages")
 RESPONSE_COLUMNS = ("completion", "response")
 
 
-def is_offline(dataset: Dataset) -> bool:
-    """Whether the dataset carries its responses; raises one clear error when it has neither prompts nor pairs."""
+def check_columns(dataset: Dataset) -> None:
+    """Raises one clear error when the dataset has neither prompts nor prompt/response pairs."""
     columns = set(dataset.column_names)
     if not columns & set(PROMPT_COLUMNS):
         raise ValueError(
-            f"The training dataset has columns {sorted(columns)} but needs a `prompt` or `messages` column (prompts "
-            "the target answers), optionally with `completion`/`response` (offline prompt/response pairs)."
+            f"The dataset has columns {sorted(columns)} but needs a `prompt` or `messages` column (prompts the "
+            "target answers), optionally with `completion`/`response` (offline prompt/response pairs)."
         )
+
+
+def is_offline(dataset: Dataset) -> bool:
+    """Whether the dataset carries its responses (prompt/response pairs) instead of prompts only."""
+    check_columns(dataset)
+    columns = set(dataset.column_names)
     if columns & set(RESPONSE_COLUMNS):
         return True
     if "messages" in columns and "prompt" not in columns:

@@ -25,6 +25,7 @@ from .features import draft_blocks, slot_targets, target_features
 from .losses import accepted_drafts, drafting_loss, length_head_labels, length_head_loss, row_statistics
 from .rollouts import (
     RolloutStore,
+    check_columns,
     collate_sequences,
     encode_dataset,
     generate_completions,
@@ -96,9 +97,17 @@ class OPDTrainer(DistillationTrainer):
             )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        self._offline = is_offline(train_dataset)
         chat_template_kwargs = {"enable_thinking": args.enable_thinking, **(args.chat_template_kwargs or {})}
+        check_columns(train_dataset)
         train_dataset = encode_dataset(train_dataset, processing_class, chat_template_kwargs)
+        if eval_dataset is not None:
+            if not is_offline(eval_dataset):
+                raise ValueError(
+                    "eval_dataset needs prompt/response pairs (`prompt` + `completion`/`response`): rollouts are only "
+                    "generated for the training prompts. To evaluate a drafter on prompts, use "
+                    "adaflash_hf.training.measure_acceptance."
+                )
+            eval_dataset = encode_dataset(eval_dataset, processing_class, chat_template_kwargs)
         super().__init__(
             model=model,
             teacher_model=teacher_model,
@@ -150,13 +159,15 @@ class OPDTrainer(DistillationTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
         """Turns dataset rows into a padded batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, S]``."""
-        if self._offline:
-            pairs = [(row["prompt_ids"], row["completion_ids"]) for row in inputs]
-        else:
-            rollouts = self._current_rollouts()
-            pairs = [(row["prompt_ids"], rollouts[row["row_index"]]["completion_ids"]) for row in inputs]
+        pairs = [
+            (row["prompt_ids"], row["completion_ids"] if "completion_ids" in row else self._rollout(row["row_index"]))
+            for row in inputs
+        ]
         batch = collate_sequences(pairs, self._tokenizer.pad_token_id, self.args.max_length)
         return {key: value.to(self.accelerator.device) for key, value in batch.items()}
+
+    def _rollout(self, row_index: int) -> list[int]:
+        return self._current_rollouts()[row_index]["completion_ids"]
 
     def _current_rollouts(self):
         """The rollouts of the current round (``global_step // rollout_refresh_steps``), loaded from the run's cache
