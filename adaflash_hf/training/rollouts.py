@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset, load_from_disk
+from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 PROMPT_COLUMNS = ("prompt", "messages")
@@ -103,7 +104,7 @@ def generate_completions(
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     device = next(target.parameters()).device
     completions = []
-    for start in range(0, len(prompts), batch_size):
+    for start in tqdm(range(0, len(prompts), batch_size), desc="Generating rollouts", leave=False):
         batch = prompts[start : start + batch_size]
         width = max(map(len, batch))
         input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
