@@ -200,3 +200,17 @@ def test_accepted_drafts_and_length_head_labels():
     pred = torch.tensor([[0.5, 0.2, 0.9]], requires_grad=True)
     loss, mae = length_head_loss(pred, torch.tensor([[0.6, 0.2, 0.1]]), torch.tensor([[True, True, False]]))
     assert torch.allclose(loss, torch.tensor(0.01 / 2), atol=1e-6) and torch.allclose(mae, torch.tensor(0.05))
+
+
+def test_row_statistics_of_no_rows_give_a_zero_loss_with_a_gradient_path():
+    student, teacher, weight, bias, labels = _rows()
+    stats = row_statistics(student[:0], teacher[:0], labels[:0], weight, bias)
+    loss, _ = drafting_loss(stats, torch.zeros(0), "opd")
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(student.grad, torch.zeros_like(student))
+
+
+def test_row_statistics_cast_drafter_states_to_the_heads_dtype():
+    student, teacher, weight, bias, labels = _rows()
+    stats = row_statistics(student, teacher.bfloat16(), labels, weight.bfloat16(), bias.bfloat16())
+    assert stats.reverse_kl.dtype == torch.float32 and torch.isfinite(stats.reverse_kl).all()

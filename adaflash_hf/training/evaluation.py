@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from .blocks import BlockLayout, block_supervised_mask
 from .features import draft_blocks, draft_top1, slot_targets, target_features
@@ -56,8 +57,6 @@ def measure_acceptance(
     ``completions`` skips generation when the target's greedy responses are already known (they must be greedy
     target outputs for the result to be the real acceptance length).
     """
-    from transformers import GenerationConfig
-
     if completions is None:
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
                                   eos_token_id=eos_token_id)

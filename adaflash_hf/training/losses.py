@@ -38,9 +38,9 @@ class RowStatistics:
 
 
 def _chunk_statistics(student_hidden, teacher_hidden, data_labels, weight, bias, temperature):
-    student_logits = F.linear(student_hidden, weight, bias).float()
+    student_logits = F.linear(student_hidden.to(weight.dtype), weight, bias).float()
     with torch.no_grad():
-        teacher_logits = F.linear(teacher_hidden, weight, bias).float()
+        teacher_logits = F.linear(teacher_hidden.to(weight.dtype), weight, bias).float()
         teacher_logp = F.log_softmax(teacher_logits / temperature, dim=-1)
         teacher_argmax = teacher_logits.argmax(dim=-1)
     student_logp_raw = F.log_softmax(student_logits, dim=-1)
@@ -81,7 +81,8 @@ def row_statistics(
     weight = lm_head_weight.detach()
     bias = lm_head_bias.detach() if lm_head_bias is not None else None
     chunks = []
-    for start in range(0, student_hidden.shape[0], chunk_size):
+    # At least one (possibly empty) chunk, so a micro-batch without supervised rows still yields [0] tensors.
+    for start in range(0, max(student_hidden.shape[0], 1), chunk_size):
         rows = slice(start, start + chunk_size)
         args = (student_hidden[rows], teacher_hidden[rows].detach(), data_labels[rows], weight, bias, temperature)
         if torch.is_grad_enabled() and student_hidden.requires_grad:

@@ -4,7 +4,9 @@ Subclass of TRL's `DistillationTrainer`, which already provides what OPD needs a
 sampler and buffering over gradient accumulation, DDP/FSDP forward redirection, PEFT wrapping, teacher placement
 and metric plumbing. OPD replaces three hooks:
 
-- ``_generate_and_score_completions``: the *target* answers (rollouts, cached per round on disk), not the student;
+- ``_generate_and_score_completions``: the *target* answers, not the student. TRL's per-batch
+  ``_generate_single_turn`` is bypassed: rollouts are generated per round for the whole prompt set
+  (`rollouts.generate_completions`, the single generation call) and cached on disk, so a resumed run reloads them;
 - ``compute_loss``: the DFlash block forward and the AdaFlash losses (spec §4), instead of a causal-LM divergence;
 - ``create_model_card``: our drafter card, since TRL's text-generation quick start does not apply to a drafter.
 """
