@@ -233,3 +233,11 @@ def test_evaluate_on_pairs_and_push_to_hub_uploads_the_hub_format_with_our_card(
     trainer.push_to_hub()
     assert json.loads(uploaded["config.json"])["architectures"] == ["DFlashDraftModel"]
     assert "someone/tiny-drafter" in uploaded["README.md"] and "loss_type=opd" in uploaded["README.md"]
+
+
+def test_rollouts_are_refreshed_every_rollout_refresh_steps(target, tokenizer, tmp_path):
+    trainer = _trainer(target, tokenizer, _args(tmp_path, max_steps=7, rollout_refresh_steps=3),
+                       dataset=Dataset.from_dict({"prompt": prompts(8)}))
+    trainer.train()
+    rounds = sorted(p.name for p in (tmp_path / "rollouts").iterdir())
+    assert rounds == ["round-00000", "round-00001", "round-00002"]  # steps 0-2, 3-5, 6

@@ -71,45 +71,9 @@ class OPDTrainer(DistillationTrainer):
     ):
         if args is None:
             args = OPDConfig("opd-drafter")
-        if not isinstance(args, OPDConfig):
-            raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}")
-        if isinstance(model, str) or isinstance(teacher_model, str) or teacher_model is None:
-            raise TypeError(
-                "OPDTrainer takes instantiated models: model=AdaFlashDrafter.from_pretrained(...), "
-                "teacher_model=AutoModelForCausalLM.from_pretrained(...)"
-            )
-        if processing_class is None:
-            raise ValueError("Pass processing_class=<the target's tokenizer>; the drafter has none of its own.")
-        drafter = _base_drafter(model)
-        drafter.check_compatible(teacher_model)
-        if args.block_size is not None and args.block_size != drafter.config.block_size:
-            raise ValueError(
-                f"args.block_size={args.block_size} differs from the drafter's block_size={drafter.config.block_size};"
-                " leave block_size=None or build the drafter with the block size you want to train"
-            )
-        # TRL prepares the teacher in evaluation mode but leaves its parameters trainable; without this, gradients
-        # would reach the shared embeddings and output head.
-        teacher_model.requires_grad_(False).eval()
-        if drafter.length_head is not None and not args.train_length_head:
-            drafter.length_head.requires_grad_(False)
-        if getattr(drafter, "generation_config", None) is None:
-            # TRL reads the student's generation config; the drafter never generates itself.
-            drafter.generation_config = GenerationConfig(
-                pad_token_id=processing_class.pad_token_id, eos_token_id=teacher_model.config.eos_token_id
-            )
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
-        chat_template_kwargs = {"enable_thinking": args.enable_thinking, **(args.chat_template_kwargs or {})}
-        check_columns(train_dataset)
-        train_dataset = encode_dataset(train_dataset, processing_class, chat_template_kwargs)
-        if eval_dataset is not None:
-            if not is_offline(eval_dataset):
-                raise ValueError(
-                    "eval_dataset needs prompt/response pairs (`prompt` + `completion`/`response`): rollouts are only "
-                    "generated for the training prompts. To evaluate a drafter on prompts, use "
-                    "adaflash_hf.training.measure_acceptance."
-                )
-            eval_dataset = encode_dataset(eval_dataset, processing_class, chat_template_kwargs)
+        self._check_arguments(model, teacher_model, args, processing_class, train_dataset)
+        self._prepare_models(_base_drafter(model), teacher_model, args, processing_class)
+        train_dataset, eval_dataset = self._encode_datasets(train_dataset, eval_dataset, args, processing_class)
         super().__init__(
             model=model,
             teacher_model=teacher_model,
@@ -128,6 +92,62 @@ class OPDTrainer(DistillationTrainer):
         self._rollout_round = None
 
     # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _check_arguments(model, teacher_model, args, processing_class, train_dataset):
+        from datasets import Dataset
+
+        if not isinstance(args, OPDConfig):
+            raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}")
+        if isinstance(model, str) or isinstance(teacher_model, str) or teacher_model is None:
+            raise TypeError(
+                "OPDTrainer takes instantiated models: model=AdaFlashDrafter.from_pretrained(...), "
+                "teacher_model=AutoModelForCausalLM.from_pretrained(...)"
+            )
+        if processing_class is None:
+            raise ValueError("Pass processing_class=<the target's tokenizer>; the drafter has none of its own.")
+        if not isinstance(train_dataset, Dataset):
+            raise TypeError(
+                f"train_dataset must be a datasets.Dataset (got {type(train_dataset).__name__}): rollouts are indexed "
+                "by row, so streaming datasets are not supported; materialise it with Dataset.from_list or .take()"
+            )
+        drafter = _base_drafter(model)
+        drafter.check_compatible(teacher_model)
+        if args.block_size is not None and args.block_size != drafter.config.block_size:
+            raise ValueError(
+                f"args.block_size={args.block_size} differs from the drafter's block_size={drafter.config.block_size};"
+                " leave block_size=None or build the drafter with the block size you want to train"
+            )
+
+    @staticmethod
+    def _prepare_models(drafter, teacher_model, args, processing_class):
+        # TRL prepares the teacher in evaluation mode but leaves its parameters trainable; without this, gradients
+        # would reach the shared embeddings and output head.
+        teacher_model.requires_grad_(False).eval()
+        if drafter.length_head is not None and not args.train_length_head:
+            drafter.length_head.requires_grad_(False)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        if getattr(drafter, "generation_config", None) is None:
+            # TRL reads the student's generation config; the drafter never generates itself.
+            drafter.generation_config = GenerationConfig(
+                pad_token_id=processing_class.pad_token_id, eos_token_id=teacher_model.config.eos_token_id
+            )
+
+    @staticmethod
+    def _encode_datasets(train_dataset, eval_dataset, args, processing_class):
+        chat_template_kwargs = {"enable_thinking": args.enable_thinking, **(args.chat_template_kwargs or {})}
+        check_columns(train_dataset)
+        train_dataset = encode_dataset(train_dataset, processing_class, chat_template_kwargs)
+        if eval_dataset is not None:
+            if not is_offline(eval_dataset):
+                raise ValueError(
+                    "eval_dataset needs prompt/response pairs (`prompt` + `completion`/`response`): rollouts are only "
+                    "generated for the training prompts. To evaluate a drafter on prompts, use "
+                    "adaflash_hf.training.measure_acceptance."
+                )
+            eval_dataset = encode_dataset(eval_dataset, processing_class, chat_template_kwargs)
+        return train_dataset, eval_dataset
 
     @property
     def drafter(self):
