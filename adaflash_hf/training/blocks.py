@@ -32,6 +32,9 @@ class BlockLayout:
     def num_blocks(self) -> int:
         return self.anchors.shape[1]
 
+    def to(self, device) -> BlockLayout:
+        return BlockLayout(anchors=self.anchors.to(device), keep=self.keep.to(device), block_size=self.block_size)
+
     def slot_positions(self) -> torch.LongTensor:
         """``[B, N, bs]`` absolute positions ``a_n + k`` of every slot."""
         offsets = torch.arange(self.block_size, device=self.anchors.device)

@@ -61,25 +61,25 @@ def measure_acceptance(
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
                                   eos_token_id=eos_token_id)
         completions = generate_completions(target, prompts, config, pad_token_id)
-    block_size = drafter.config.block_size
+    block_size, device = drafter.config.block_size, target.get_input_embeddings().weight.device
     lengths = []
     for prompt, completion in zip(prompts, completions):
         if len(completion) < 2:
             continue
-        batch = collate_sequences([(prompt, completion)], pad_token_id)
-        input_ids, seq_len = batch["input_ids"], batch["input_ids"].shape[1]
+        # Trailing padding gives every anchor up to the last token a full block; slots past the end count as misses.
+        batch = collate_sequences([(prompt, completion + [pad_token_id] * block_size)], pad_token_id)
+        batch = {key: value.to(device) for key, value in batch.items()}
+        padded, mask, response = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        mask[:, -block_size:] = 0
+        response[:, -block_size:] = 0
         # The first response token comes from prefill; every later committed token starts a step from an anchor.
-        first, end = len(prompt), seq_len - 1
-        # Pad the sequence so that every anchor up to the last token has a full block (missing slots count as misses).
-        padded = torch.cat([input_ids, torch.full((1, block_size), pad_token_id)], dim=1)
-        mask = torch.cat([batch["attention_mask"], torch.zeros(1, block_size, dtype=torch.long)], dim=1)
-        anchors = torch.arange(first, end).unsqueeze(0)
+        first, end = len(prompt), len(prompt) + len(completion) - 1
+        anchors = torch.arange(first, end, device=device).unsqueeze(0)
         layout = BlockLayout(anchors=anchors, keep=torch.ones_like(anchors, dtype=torch.bool), block_size=block_size)
         features = target_features(target, padded, mask, drafter.config.target_layer_ids)
         output = draft_blocks(drafter, target, padded, features, layout)
         draft_argmax, _ = draft_top1(target, output.last_hidden_state)
         data_labels, _ = slot_targets(padded, features, layout)
-        response = torch.cat([batch["loss_mask"], torch.zeros(1, block_size, dtype=torch.long)], dim=1)
         matches = (draft_argmax == data_labels).view(1, -1, block_size) & block_supervised_mask(response, layout)
         accepted = [0] * first + accepted_drafts(matches)[0].tolist()
         lengths += _replay_chain(accepted, first, end)

@@ -51,7 +51,7 @@ def init_length_head(
     target.requires_grad_(False).eval()
     head = drafter.length_head.requires_grad_(True).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate)
-    block_size = drafter.config.block_size
+    block_size, device = drafter.config.block_size, target.get_input_embeddings().weight.device
     generator = torch.Generator().manual_seed(config.seed)
     errors = []
     for _ in range(config.epochs):
@@ -60,9 +60,10 @@ def init_length_head(
         for start in tqdm(batches, desc="length head", leave=False):
             batch = collate_sequences([pairs[i] for i in order[start : start + config.batch_size]], pad_token_id,
                                       config.max_length)
-            input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-            region = _anchor_region(attention_mask, block_size)
-            layout = sample_anchors(region, block_size, config.num_anchors, generator=generator)
+            # Anchors are drawn on the CPU with the run's generator, then everything moves to the target's device.
+            layout = sample_anchors(_anchor_region(batch["attention_mask"], block_size), block_size,
+                                    config.num_anchors, generator=generator).to(device)
+            input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             features = target_features(target, input_ids, attention_mask, drafter.config.target_layer_ids)
             # The drafter is frozen, so this forward builds a graph for the head only (it reads detached states).
             output = draft_blocks(drafter, target, input_ids, features, layout)
