@@ -91,3 +91,49 @@ def test_train_main_runs_a_yaml_recipe(target, tokenizer, tmp_path):
     path.write_text(yaml.safe_dump({**recipe, "drafter": "x"}))
     with pytest.raises(ValueError, match="exactly one of `drafter`"):
         load_recipe(path)
+
+
+def _stepwise_acceptance(target, drafter, prompt, completion):
+    """Greedy speculative decoding replayed one step at a time with the drafter's inference view (no block mask):
+    context = target features before the anchor, block = [anchor, mask * (bs - 1)]."""
+    from adaflash_hf.training.features import target_features
+
+    sequence = torch.tensor([prompt + completion])
+    features = target_features(target, sequence, torch.ones_like(sequence), drafter.config.target_layer_ids)
+    bs, mask_id = drafter.config.block_size, drafter.config.mask_token_id
+    lengths, anchor, end = [], len(prompt), sequence.shape[1] - 1
+    while anchor < end:
+        block = torch.tensor([[sequence[0, anchor].item()] + [mask_id] * (bs - 1)])
+        hidden = drafter(noise_embeds=target.get_input_embeddings()(block),
+                         context_hidden_states=features.context[:, :anchor],
+                         position_ids=torch.arange(anchor + bs)[None]).last_hidden_state
+        drafts = target.lm_head(hidden)[0, 1:].argmax(-1).tolist()
+        accepted = 0
+        while accepted < bs - 1 and anchor + accepted + 1 <= end and drafts[accepted] == sequence[0, anchor + accepted + 1]:
+            accepted += 1
+        step = min(accepted + 1, end - anchor)
+        lengths.append(step)
+        anchor += step
+    return lengths
+
+
+def test_measured_acceptance_equals_a_stepwise_speculative_replay(target, tokenizer, tmp_path):
+    from adaflash_hf.training import OPDConfig, OPDTrainer, measure_acceptance
+
+    # A partly trained drafter, so that blocks are accepted to different depths.
+    drafter = synthetic_drafter(target, tokenizer)
+    args = OPDConfig(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=1, learning_rate=3e-3, bf16=False, use_cpu=True, report_to=[],
+                     save_strategy="no", max_completion_length=24, num_anchors=32, disable_tqdm=True)
+    OPDTrainer(model=drafter, teacher_model=target, args=args, train_dataset=Dataset.from_dict({"prompt": prompts(16)}),
+               processing_class=tokenizer).train()
+    drafter.eval()
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts(4, seed=3)]
+    config = GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    completions = generate_completions(target, prompt_ids, config, pad_token_id=0)
+    stats = measure_acceptance(target, drafter, prompt_ids, pad_token_id=0, completions=completions)
+    with torch.no_grad():
+        stepwise = [n for p, c in zip(prompt_ids, completions) for n in _stepwise_acceptance(target, drafter, p, c)]
+    assert len(set(stepwise)) > 2  # the comparison covers short and long accepted runs
+    assert stats.num_steps == len(stepwise)
+    assert stats.mean_acceptance_length == pytest.approx(sum(stepwise) / len(stepwise))
