@@ -1,0 +1,7 @@
+"""Training AdaFlash / DFlash drafters: `OPDConfig` + `OPDTrainer` (TRL-style), offline length-head init, recipes."""
+
+from .config import OPDConfig
+from .evaluation import AcceptanceStats, measure_acceptance
+from .trainer import OPDTrainer
+
+__all__ = ["AcceptanceStats", "OPDConfig", "OPDTrainer", "measure_acceptance"]
