@@ -17,7 +17,6 @@ COMPLETION = 32
 
 # Tiny models gain nothing from intra-op threads, and two OpenMP threads on cores shared with other jobs spin-wait
 # for seconds per step (measured 40x slower); one thread keeps these tests fast on a busy machine.
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +240,18 @@ def test_rollouts_are_refreshed_every_rollout_refresh_steps(target, tokenizer, t
     trainer.train()
     rounds = sorted(p.name for p in (tmp_path / "rollouts").iterdir())
     assert rounds == ["round-00000", "round-00001", "round-00002"]  # steps 0-2, 3-5, 6
+
+
+def test_rollouts_are_drafted_by_the_current_drafter_and_unchanged(target, tokenizer, tmp_path):
+    import adaflash_hf
+
+    dataset = Dataset.from_dict({"prompt": prompts(8)})
+    speculative = _trainer(target, tokenizer, _args(tmp_path / "a", rollout_with_drafter=True), dataset=dataset)
+    with adaflash_hf.record_stats() as stats:
+        drafted = speculative._generate_rollouts()["completion_ids"]
+    plain = _trainer(target, tokenizer, _args(tmp_path / "b", rollout_with_drafter=False), dataset=dataset)
+    with adaflash_hf.record_stats() as no_stats:
+        reference = plain._generate_rollouts()["completion_ids"]
+    assert drafted == reference
+    assert stats.verification_steps > 0 and no_stats.verification_steps == 0
+    assert speculative.model.training  # the drafter goes back to training mode

@@ -111,8 +111,15 @@ class OPDConfig(DistillationConfig):
     rollout_refresh_steps: int = field(
         default=0,
         metadata={
-            "help": "Regenerate the rollouts every this many optimizer steps (with the current drafter once "
-            "speculative generate is available); 0 generates them once. Ignored for prompt/completion datasets."
+            "help": "Regenerate the rollouts every this many optimizer steps, so they are drafted by the current "
+            "drafter; 0 generates them once. Ignored for prompt/completion datasets."
+        },
+    )
+    rollout_with_drafter: bool = field(
+        default=True,
+        metadata={
+            "help": "Generate rollouts with the current drafter as the target's assistant (speculative decoding). "
+            "The rollouts are the target's own outputs either way (lossless); the drafter only makes them faster."
         },
     )
     rollout_batch_size: int = field(

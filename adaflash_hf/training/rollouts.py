@@ -97,8 +97,8 @@ def generate_completions(
     """The one place rollouts are generated: the target answers each prompt; returns the new token ids per prompt,
     cut after the first end-of-sequence token (which is kept, like the reference's appended ``<|im_end|>``).
 
-    ``assistant_model`` is passed to ``target.generate`` so that, once speculative generation is installed, the
-    current drafter accelerates the rollouts without changing them (greedy decoding is lossless).
+    ``assistant_model`` (the current drafter) makes ``target.generate`` speculative: faster, with the same outputs
+    under greedy decoding and the same distribution under sampling.
     """
     eos = generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

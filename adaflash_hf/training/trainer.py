@@ -207,13 +207,22 @@ class OPDTrainer(DistillationTrainer):
 
         prompts = self.train_dataset["prompt_ids"]
         teacher = self.accelerator.unwrap_model(self.teacher_model)
-        completions = generate_completions(
-            teacher,
-            prompts,
-            self._rollout_generation_config,
-            self._tokenizer.pad_token_id,
-            batch_size=self.args.rollout_batch_size,
-        )
+        drafter = self.accelerator.unwrap_model(self.model) if self.args.rollout_with_drafter else None
+        was_training = drafter is not None and drafter.training
+        if drafter is not None:
+            drafter.eval()
+        try:
+            completions = generate_completions(
+                teacher,
+                prompts,
+                self._rollout_generation_config,
+                self._tokenizer.pad_token_id,
+                batch_size=self.args.rollout_batch_size,
+                assistant_model=drafter,
+            )
+        finally:
+            if was_training:
+                drafter.train()
         return Dataset.from_dict({"completion_ids": completions})
 
     # ------------------------------------------------------------------ loss
