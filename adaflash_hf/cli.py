@@ -43,8 +43,10 @@ def load_models(args):
 
     world = args.target is None
     if world and not (WORLD_DIR / "target").exists():
-        sys.exit(f"The demo world is not built ({WORLD_DIR} is missing): run `python trainers/build_demo_world.py`, "
-                 "or pass --target and --drafter.")
+        sys.exit(
+            f"The demo world is not built ({WORLD_DIR} is missing): run `python trainers/build_demo_world.py`, "
+            "or pass --target and --drafter."
+        )
     if not world and args.drafter is None:
         sys.exit("--target needs --drafter (an AdaFlash or z-lab DFlash drafter for that target)")
     dtype = getattr(torch, args.dtype)
@@ -57,7 +59,9 @@ def load_models(args):
     drafter = AdaFlashDrafter.from_pretrained(drafter_path, dtype=dtype).to(args.device).eval()
     ar_draft = None
     if world and (WORLD_DIR / "ar_draft").exists():
-        ar_draft = AutoModelForCausalLM.from_pretrained(str(WORLD_DIR / "ar_draft"), dtype=dtype).to(args.device).eval()
+        ar_draft = (
+            AutoModelForCausalLM.from_pretrained(str(WORLD_DIR / "ar_draft"), dtype=dtype).to(args.device).eval()
+        )
     prompts = _world_prompts() if world else _chat_prompts(tokenizer)
     return target, tokenizer, drafter, ar_draft, prompts
 
@@ -76,8 +80,9 @@ def _chat_prompts(tokenizer) -> dict[str, list[str]]:
         return GENERIC_PROMPTS
     return {
         domain: [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
-                                          enable_thinking=False)
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            )
             for p in prompts
         ]
         for domain, prompts in GENERIC_PROMPTS.items()
@@ -114,16 +119,21 @@ def demo(args) -> int:
                     tokens += plain.shape[1] - inputs["input_ids"].shape[1]
                     identical += int(torch.equal(plain, fast))
                     progress.update(1)
-            new_text = tokenizer.decode(fast[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            new_text = tokenizer.decode(fast[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             print(f"\n[{domain}] ...{text[-160:]!s}\n  -> {new_text[:240]!s}")
-            summary.append((domain, identical, len(texts), stats.mean_acceptance_length, tokens / plain_s, tokens / fast_s))
+            summary.append(
+                (domain, identical, len(texts), stats.mean_acceptance_length, tokens / plain_s, tokens / fast_s)
+            )
     print("\n| domain | identical | acceptance length | plain tok/s | AdaFlash tok/s | speedup |")
     print("|---|---|---|---|---|---|")
     for domain, same, n, tau, plain_speed, fast_speed in summary:
-        print(f"| {domain} | {same}/{n} | {tau:.2f} | {plain_speed:.0f} | {fast_speed:.0f} | {fast_speed / plain_speed:.2f}x |")
+        speedup = fast_speed / plain_speed
+        print(f"| {domain} | {same}/{n} | {tau:.2f} | {plain_speed:.0f} | {fast_speed:.0f} | {speedup:.2f}x |")
     mean = sum(row[5] / row[4] for row in summary) / len(summary)
-    print(f"\nmean speedup {mean:.2f}x ({args.dtype}, {target.device}); outputs identical: "
-          f"{sum(r[1] for r in summary)}/{sum(r[2] for r in summary)}")
+    print(
+        f"\nmean speedup {mean:.2f}x ({args.dtype}, {target.device}); outputs identical: "
+        f"{sum(r[1] for r in summary)}/{sum(r[2] for r in summary)}"
+    )
     return 0
 
 
@@ -145,9 +155,16 @@ def bench(args) -> int:
     steps = sum(len(t) // b for t in chosen.values() for b in batch_sizes) * args.repeats
     with tqdm(total=steps, desc="bench", unit="batch", file=sys.stderr) as progress:
         records = run_benchmark(
-            target, tokenizer, chosen, drafter=drafter, ar_draft=ar_draft,
-            methods=args.methods.split(",") if args.methods else METHODS, batch_sizes=batch_sizes,
-            max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=progress,
+            target,
+            tokenizer,
+            chosen,
+            drafter=drafter,
+            ar_draft=ar_draft,
+            methods=args.methods.split(",") if args.methods else METHODS,
+            batch_sizes=batch_sizes,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            progress=progress,
         )
     table = markdown_table(records)
     print(table)

@@ -138,7 +138,9 @@ def _fields_from_dflash_dict(raw: dict, source: str) -> dict:
             fields[field] = dflash[key]
     for key in _UNSUPPORTED_HEADS:
         if dflash.get(key):
-            warnings.warn(f"{source}: {key} is a legacy AdaFlash head that adaflash_hf does not use; it is ignored.")
+            warnings.warn(
+                f"{source}: {key} is a legacy AdaFlash head that adaflash_hf does not use; ignored.", stacklevel=3
+            )
     fields.update({k: v for k, v in (raw.get("adaflash_config") or {}).items() if k in _ADAFLASH_KEYS})
     return fields
 
@@ -256,7 +258,11 @@ def check_weights(model: PreTrainedModel, shapes: dict[str, tuple[int, ...]], so
     skipped = tuple(_UNSUPPORTED_HEADS.values())
     unexpected = sorted(n for n in shapes if n not in expected and not n.startswith(skipped))
     missing = sorted(n for n in expected if n not in shapes)
-    mismatched = [f"{n}: checkpoint {shapes[n]} vs model {expected[n]}" for n in expected if n in shapes and shapes[n] != expected[n]]
+    mismatched = [
+        f"{n}: checkpoint {shapes[n]} vs model {expected[n]}"
+        for n in expected
+        if n in shapes and shapes[n] != expected[n]
+    ]
     problems = []
     if missing:
         hint = (
@@ -394,7 +400,8 @@ def check_drafter_target(config: AdaFlashConfig, target: PreTrainedModel) -> Non
     if config.num_target_layers != layers:
         warnings.warn(
             f"The drafter was built for a target with {config.num_target_layers} layers; this one has {layers}. "
-            "Acceptance will be poor unless the drafter was trained on this target."
+            "Acceptance will be poor unless the drafter was trained on this target.",
+            stacklevel=3,
         )
 
 

@@ -6,7 +6,6 @@ keys/values from ``[context ; block]``, q/k norms, rope on absolute positions, n
 names, so official checkpoints load 1:1 and the in-library DFlash path is our numerical reference.
 """
 
-
 import os
 from dataclasses import dataclass
 
@@ -18,7 +17,11 @@ from transformers.masking_utils import create_bidirectional_mask, create_bidirec
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
     MuseGlimmerAssistantDecoderLayer as DFlashDecoderLayer,
+)
+from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
     MuseGlimmerAssistantRMSNorm as DFlashRMSNorm,
+)
+from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
     MuseGlimmerAssistantRotaryEmbedding as DFlashRotaryEmbedding,
 )
 
@@ -174,14 +177,17 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 **kwargs,
             )
         hidden = self.norm(hidden)
-        return AdaFlashDrafterOutput(last_hidden_state=hidden, cache=cache, length_prediction=self._predict_length(hidden))
+        return AdaFlashDrafterOutput(
+            last_hidden_state=hidden, cache=cache, length_prediction=self._predict_length(hidden)
+        )
 
     def _check_context_width(self, context_hidden_states: torch.Tensor):
         expected = self.fc.in_features
         if context_hidden_states.shape[-1] != expected:
             raise ValueError(
                 f"context_hidden_states has width {context_hidden_states.shape[-1]}, but the drafter expects "
-                f"{expected} = len(target_layer_ids={self.config.target_layer_ids}) * hidden_size={self.config.hidden_size}: "
+                f"{expected} = len(target_layer_ids={self.config.target_layer_ids}) * "
+                f"hidden_size={self.config.hidden_size}: "
                 "concatenate target hidden_states[i + 1] for each id in drafter.config.target_layer_ids"
             )
 
@@ -198,7 +204,12 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 )
             return dict.fromkeys(("full_attention", "sliding_attention"), attention_mask)
         # Every cached context position precedes the block, so "bidirectional" is exactly "all context + the block".
-        kwargs = {"config": self.config, "inputs_embeds": noise_embeds, "attention_mask": attention_mask, "cache": cache}
+        kwargs = {
+            "config": self.config,
+            "inputs_embeds": noise_embeds,
+            "attention_mask": attention_mask,
+            "cache": cache,
+        }
         builders = {
             "full_attention": create_bidirectional_mask,
             "sliding_attention": create_bidirectional_sliding_window_mask,

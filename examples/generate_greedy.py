@@ -1,6 +1,6 @@
 """Lossless greedy speculative decoding with an official z-lab DFlash drafter (needs the Hub and a GPU).
 
-    python examples/generate_greedy.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16
+python examples/generate_greedy.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16
 """
 
 import argparse
@@ -23,12 +23,13 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).to(device)
     drafter = AdaFlashDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16).to(device)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     inputs = tokenizer(text, return_tensors="pt").to(device)
     with adaflash_hf.record_stats() as stats:
         out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)
-    print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    print(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
     print(stats.summary())
 
 

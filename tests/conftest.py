@@ -7,8 +7,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Tiny models gain nothing from a second thread, and lose a lot when the cores are shared.
+# Tiny models gain nothing from a second thread; two OpenMP threads on shared cores spin-wait (measured 40x slower).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The synthetic language's tokenizer (tests/synthetic.py)."""
+    from synthetic import synthetic_tokenizer
+
+    return synthetic_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def target(tokenizer):
+    """A tiny target that has learnt the synthetic language (trained once per session, in seconds)."""
+    from synthetic import train_target
+
+    return train_target(tokenizer)
 
 
 @pytest.fixture(autouse=True)
@@ -45,4 +61,6 @@ def word_tokenizer():
     backend = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )

@@ -23,16 +23,27 @@ from adaflash_hf import AdaFlashConfig, AdaFlashDrafter
 VOCAB = 128
 MASK_ID = VOCAB - 1
 _COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
 )
 FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=16)),
     "llama": (LlamaConfig, LlamaForCausalLM, dict(head_dim=16)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(head_dim=16, sliding_window=None)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict()),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                                            moe_intermediate_size=32, decoder_sparse_step=1)),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    ),
 }
 
 
@@ -48,14 +59,27 @@ def tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
     return model
 
 
-def tiny_drafter(target, num_hidden_layers: int = 2, block_size: int = 8, target_layer_ids=(0, 2),
-                 use_length_head: bool = False, seed: int = 1, mask_token_id: int | None = None, **overrides):
+def tiny_drafter(
+    target,
+    num_hidden_layers: int = 2,
+    block_size: int = 8,
+    target_layer_ids=(0, 2),
+    use_length_head: bool = False,
+    seed: int = 1,
+    mask_token_id: int | None = None,
+    **overrides,
+):
     torch.manual_seed(seed)
     if mask_token_id is None:
         mask_token_id = target.config.vocab_size - 1
     config = AdaFlashConfig.from_target_config(
-        target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, mask_token_id=mask_token_id,
-        target_layer_ids=list(target_layer_ids), use_length_head=use_length_head, **overrides,
+        target.config,
+        num_hidden_layers=num_hidden_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(target_layer_ids),
+        use_length_head=use_length_head,
+        **overrides,
     )
     return AdaFlashDrafter(config).eval()
 
@@ -97,7 +121,11 @@ ZLAB_CONFIG = {
     "use_sliding_window": False,
     "vocab_size": VOCAB,
 }
-ADAFLASH_HEAD_FLAGS = {"use_thresh_head_two_model": True, "thresh_head_bottleneck_dim": 32, "thresh_head_direct_len": True}
+ADAFLASH_HEAD_FLAGS = {
+    "use_thresh_head_two_model": True,
+    "thresh_head_bottleneck_dim": 32,
+    "thresh_head_direct_len": True,
+}
 
 # A repository file that must never run: loading executes no code from the repo.
 DFLASH_PY = "raise RuntimeError('remote code from the checkpoint repository was executed')\n"
@@ -111,21 +139,33 @@ def official_tensor_shapes(config: dict, with_head: bool) -> dict[str, tuple[int
     shapes = {"fc.weight": (h, k * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (nq * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
-            p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (nq * hd, h),
+                p + "self_attn.k_proj.weight": (nkv * hd, h),
+                p + "self_attn.v_proj.weight": (nkv * hd, h),
+                p + "self_attn.o_proj.weight": (h, nq * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     if with_head:
         b = config["dflash_config"]["thresh_head_bottleneck_dim"]
-        shapes.update({
-            "thresh_head_two_model.down.weight": (b, 2 * h), "thresh_head_two_model.down.bias": (b,),
-            "thresh_head_two_model.res.0.weight": (b, b), "thresh_head_two_model.res.0.bias": (b,),
-            "thresh_head_two_model.out.weight": (1, b), "thresh_head_two_model.out.bias": (1,),
-        })
+        shapes.update(
+            {
+                "thresh_head_two_model.down.weight": (b, 2 * h),
+                "thresh_head_two_model.down.bias": (b,),
+                "thresh_head_two_model.res.0.weight": (b, b),
+                "thresh_head_two_model.res.0.bias": (b,),
+                "thresh_head_two_model.out.weight": (1, b),
+                "thresh_head_two_model.out.bias": (1,),
+            }
+        )
     return shapes
 
 
@@ -138,7 +178,10 @@ def write_hub_checkpoint(directory, kind: str = "dflash", seed: int = 0) -> dict
         config["dflash_config"].update(ADAFLASH_HEAD_FLAGS)
     gen = torch.Generator().manual_seed(seed)
     tensors = {
-        name: (torch.randn(shape, generator=gen) * (0.05 if len(shape) > 1 else 1.0) + (1.0 if len(shape) == 1 and "norm" in name else 0.0)).to(torch.bfloat16)
+        name: (
+            torch.randn(shape, generator=gen) * (0.05 if len(shape) > 1 else 1.0)
+            + (1.0 if len(shape) == 1 and "norm" in name else 0.0)
+        ).to(torch.bfloat16)
         for name, shape in official_tensor_shapes(config, with_head=kind == "adaflash").items()
     }
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -24,8 +24,9 @@ def synthetic_tokenizer() -> PreTrainedTokenizerFast:
     model = WordLevel({word: i for i, word in enumerate(VOCAB)}, unk_token="<pad>")
     backend = Tokenizer(model)
     backend.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        mask_token="<mask>", unk_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", mask_token="<mask>", unk_token="<pad>"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -44,9 +45,20 @@ def prompts(count: int, seed: int = 0) -> list[str]:
 def train_target(tokenizer, num_steps: int = 300, length: int = 40, seed: int = 0):
     """A 2-layer Qwen3 trained to continue synthetic sentences exactly (a few seconds on CPU)."""
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     target = Qwen3ForCausalLM(config)
     optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3)
@@ -68,7 +80,12 @@ def train_target(tokenizer, num_steps: int = 300, length: int = 40, seed: int = 
 def synthetic_drafter(target, tokenizer, block_size: int = 8, use_length_head: bool = False, seed: int = 1):
     torch.manual_seed(seed)
     config = AdaFlashConfig.from_target_config(
-        target.config, num_hidden_layers=1, block_size=block_size, mask_token_id=tokenizer.mask_token_id,
-        target_layer_ids=[0, 1], use_length_head=use_length_head, length_head_bottleneck_dim=32,
+        target.config,
+        num_hidden_layers=1,
+        block_size=block_size,
+        mask_token_id=tokenizer.mask_token_id,
+        target_layer_ids=[0, 1],
+        use_length_head=use_length_head,
+        length_head_bottleneck_dim=32,
     )
     return AdaFlashDrafter(config)

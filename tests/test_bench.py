@@ -14,8 +14,16 @@ def test_harness_records_every_usable_method(word_tokenizer):
     ar_draft = tiny_target(num_hidden_layers=1, seed=3)
     word_tokenizer.padding_side = "left"
     prompts = {"letters": ["abcabcab", "hello world", "xyz", "aaaa"], "digits": ["0123", "999", "4242", "12"]}
-    records = run_benchmark(target, word_tokenizer, prompts, drafter=drafter, ar_draft=ar_draft, methods=METHODS,
-                            batch_sizes=(1, 2), max_new_tokens=12)
+    records = run_benchmark(
+        target,
+        word_tokenizer,
+        prompts,
+        drafter=drafter,
+        ar_draft=ar_draft,
+        methods=METHODS,
+        batch_sizes=(1, 2),
+        max_new_tokens=12,
+    )
     seen = {(r.method, r.batch_size, r.domain) for r in records}
     for domain in prompts:
         assert {(m, 1, domain) for m in METHODS} <= seen
@@ -36,8 +44,15 @@ def test_report_table_and_plots(tmp_path, word_tokenizer):
     target = tiny_target()
     target.generation_config.pad_token_id = 2
     word_tokenizer.padding_side = "left"
-    records = run_benchmark(target, word_tokenizer, {"x": ["abc", "de"]}, drafter=tiny_drafter(target),
-                            methods=("plain", "adaflash_fixed"), batch_sizes=(1, 2), max_new_tokens=6)
+    records = run_benchmark(
+        target,
+        word_tokenizer,
+        {"x": ["abc", "de"]},
+        drafter=tiny_drafter(target),
+        methods=("plain", "adaflash_fixed"),
+        batch_sizes=(1, 2),
+        max_new_tokens=6,
+    )
     table = markdown_table(records)
     assert table.count("\n") == 1 + len(records) and "| adaflash_fixed | 2 | x | float32 |" in table
     paths = plot_records(records, tmp_path)

@@ -123,7 +123,9 @@ def test_length_head_artifact_round_trips_and_attaches(tmp_path):
     with_head = tiny_drafter(target, use_length_head=True, length_head_bottleneck_dim=32)
     with_head.length_head.save_pretrained(tmp_path / "head")
     head = AdaptiveLengthHead.from_pretrained(tmp_path / "head")
-    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), with_head.length_head.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(head.state_dict().values(), with_head.length_head.state_dict().values())
+    )
 
     plain = tiny_drafter(target)
     assert plain.config.length_policy == "fixed"
@@ -131,7 +133,9 @@ def test_length_head_artifact_round_trips_and_attaches(tmp_path):
     assert plain.config.use_length_head and plain.config.length_policy == "adaptive"
     noise, context = torch.randn(1, 8, 64), torch.randn(1, 3, 128)
     prediction = plain(noise_embeds=noise, context_hidden_states=context).length_prediction
-    expected = with_head.length_head(plain(noise_embeds=noise, context_hidden_states=context).last_hidden_state[:, None])
+    expected = with_head.length_head(
+        plain(noise_embeds=noise, context_hidden_states=context).last_hidden_state[:, None]
+    )
     assert prediction.shape == (1, 1) and torch.allclose(prediction, expected)
 
     plain.save_pretrained(tmp_path / "merged")  # the attached head is saved in the AdaFlash layout
@@ -156,8 +160,13 @@ def test_drafter_checkpoint_is_not_a_length_head(tmp_path):
 
 @pytest.mark.parametrize(
     "layers,n,expected",
-    [(36, 5, [1, 9, 17, 25, 33]), (28, 5, [1, 7, 13, 19, 25]), (32, 5, [1, 8, 15, 22, 29]),
-     (48, 5, [1, 12, 23, 34, 45]), (36, 1, [18])],
+    [
+        (36, 5, [1, 9, 17, 25, 33]),
+        (28, 5, [1, 7, 13, 19, 25]),
+        (32, 5, [1, 8, 15, 22, 29]),
+        (48, 5, [1, 12, 23, 34, 45]),
+        (36, 1, [18]),
+    ],
 )
 def test_target_layer_id_rule(layers, n, expected):
     assert build_target_layer_ids(layers, n) == expected
@@ -292,7 +301,10 @@ def test_push_to_hub_uploads_the_checkpoint_with_a_rendered_card(tmp_path):
         seen["readme"] = open(os.path.join(folder_path, "README.md")).read()
         seen["config"] = json.load(open(os.path.join(folder_path, "config.json")))
 
-    with mock.patch("huggingface_hub.HfApi.create_repo"), mock.patch("huggingface_hub.HfApi.upload_folder", upload_folder):
+    with (
+        mock.patch("huggingface_hub.HfApi.create_repo"),
+        mock.patch("huggingface_hub.HfApi.upload_folder", upload_folder),
+    ):
         drafter.push_to_hub("me/tiny-adaflash", card_data={"acceptance": "3.1 (demo world)"})
     assert seen["files"] == ["README.md", "config.json", "model.safetensors"]
     assert seen["config"]["architectures"] == ["DFlashDraftModel"]

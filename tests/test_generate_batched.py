@@ -8,8 +8,14 @@ from test_generate_sampling import NEW, PROMPT, SAMPLING, exact_joint, p_value
 import adaflash_hf
 
 PROMPTS = [
-    [0, 5, 9, 33, 17, 4, 80], [0, 44], [0, 7, 7, 7, 7, 7, 101, 3, 9, 12, 5], [0, 61, 62], [0, 99, 98, 97, 96],
-    [0, 12], [0, 3, 30, 31, 32, 33], [0, 120, 8, 8],
+    [0, 5, 9, 33, 17, 4, 80],
+    [0, 44],
+    [0, 7, 7, 7, 7, 7, 101, 3, 9, 12, 5],
+    [0, 61, 62],
+    [0, 99, 98, 97, 96],
+    [0, 12],
+    [0, 3, 30, 31, 32, 33],
+    [0, 120, 8, 8],
 ]
 PAD = 2
 
@@ -22,7 +28,7 @@ def left_pad(prompts):
 
 
 def alone(target, prompt, **kwargs):
-    return target.generate(torch.tensor([prompt]), do_sample=False, **kwargs)[0, len(prompt):].tolist()
+    return target.generate(torch.tensor([prompt]), do_sample=False, **kwargs)[0, len(prompt) :].tolist()
 
 
 def rows_of(out, prompts):
@@ -54,11 +60,18 @@ def test_every_row_equals_plain_greedy_alone(family, batch_size):
     }
     for name, drafter in drafters.items():
         with adaflash_hf.record_stats() as stats:
-            out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
-                                  pad_token_id=PAD, assistant_model=drafter)
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=30,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=PAD,
+                assistant_model=drafter,
+            )
         for got, want in zip(rows_of(out, prompts), references):
             assert got[: len(want)] == want, name
-            assert all(t == PAD for t in got[len(want):]), name
+            assert all(t == PAD for t in got[len(want) :]), name
         if name == "oracle":
             per_step = {tuple(s.accepted) for s in stats.steps if len(s.rows) > 1}
             assert any(len(set(a)) > 1 for a in per_step)  # rows really accept different numbers per step
@@ -76,10 +89,19 @@ def test_holes_are_compacted_and_stay_exact(monkeypatch):
     target = tiny_target()
     prompts = PROMPTS[:4]
     references = [alone(target, p, max_new_tokens=40, eos_token_id=None) for p in prompts]
-    drafter = oracle_drafter(target, [p + r for p, r in zip(prompts, references)], corrupt=lambda row, anchor: {row + 1})
+    drafter = oracle_drafter(
+        target, [p + r for p, r in zip(prompts, references)], corrupt=lambda row, anchor: {row + 1}
+    )
     ids, mask = left_pad(prompts)
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None,
-                          pad_token_id=PAD, assistant_model=drafter)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=40,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=PAD,
+        assistant_model=drafter,
+    )
     assert rows_of(out, prompts) == references
     assert compactions
 
@@ -91,8 +113,15 @@ def test_finished_rows_leave_the_batch():
     eos = budgets[1][3]  # row 1 ends after 4 tokens
     ids, mask = left_pad(prompts)
     with adaflash_hf.record_stats() as stats:
-        target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=PAD,
-                        assistant_model=tiny_drafter(target))
+        target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=PAD,
+            assistant_model=tiny_drafter(target),
+        )
     steps = [stats.calls[0].row(i)["steps"] for i in range(3)]
     assert steps[1] <= 3 < max(steps)  # row 1 stopped costing verification after its EOS
     assert 1 not in stats.steps[-1].rows

@@ -54,10 +54,12 @@ def test_acceptance_patterns_are_exact_per_step():
 def test_eos_inside_an_accepted_block_stops_exactly_there():
     target = tiny_target()
     reference = plain(target, PROMPTS[0], max_new_tokens=40, eos_token_id=None)
-    generated = reference[0, len(PROMPTS[0]):].tolist()
+    generated = reference[0, len(PROMPTS[0]) :].tolist()
     eos = next(t for i, t in enumerate(generated) if i >= 4 and t not in generated[:i])  # first occurrence mid-stream
     expected = plain(target, PROMPTS[0], max_new_tokens=40, eos_token_id=eos)
-    out, stats = speculative(target, oracle_drafter(target, [reference[0]]), PROMPTS[0], max_new_tokens=40, eos_token_id=eos)
+    out, stats = speculative(
+        target, oracle_drafter(target, [reference[0]]), PROMPTS[0], max_new_tokens=40, eos_token_id=eos
+    )
     assert torch.equal(out, expected) and out[0, -1] == eos
     assert stats.steps[-1].accepted[0] > stats.steps[-1].emitted[0] - 1  # the block went past EOS and was cut
 
@@ -66,8 +68,12 @@ def test_eos_inside_an_accepted_block_stops_exactly_there():
 def test_budget_smaller_than_a_block(new_tokens):
     target = tiny_target()
     reference = plain(target, PROMPTS[0], max_new_tokens=new_tokens)
-    out, _ = speculative(target, oracle_drafter(target, [plain(target, PROMPTS[0], max_new_tokens=30)[0]]),
-                         PROMPTS[0], max_new_tokens=new_tokens)
+    out, _ = speculative(
+        target,
+        oracle_drafter(target, [plain(target, PROMPTS[0], max_new_tokens=30)[0]]),
+        PROMPTS[0],
+        max_new_tokens=new_tokens,
+    )
     assert torch.equal(out, reference) and out.shape[1] == len(PROMPTS[0]) + new_tokens
 
 
@@ -85,15 +91,20 @@ def test_custom_stopping_criteria_inside_a_block():
     stop = int(reference[0, len(PROMPTS[0]) + 5])
     criteria = StoppingCriteriaList([StopOnToken(stop)])
     expected = plain(target, PROMPTS[0], max_new_tokens=40, stopping_criteria=criteria)
-    out, _ = speculative(target, oracle_drafter(target, [reference[0]]), PROMPTS[0], max_new_tokens=40,
-                         stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]))
+    out, _ = speculative(
+        target,
+        oracle_drafter(target, [reference[0]]),
+        PROMPTS[0],
+        max_new_tokens=40,
+        stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]),
+    )
     assert torch.equal(out, expected) and out.shape[1] < reference.shape[1]
 
 
 def test_stop_strings_inside_a_block(word_tokenizer):
     target = tiny_target()
     reference = plain(target, PROMPTS[0], max_new_tokens=40)
-    new = reference[0, len(PROMPTS[0]):].tolist()
+    new = reference[0, len(PROMPTS[0]) :].tolist()
     stop = word_tokenizer.convert_ids_to_tokens(new[6]) + word_tokenizer.convert_ids_to_tokens(new[7])
     kwargs = dict(max_new_tokens=40, stop_strings=[stop], tokenizer=word_tokenizer)
     expected = plain(target, PROMPTS[0], **kwargs)
@@ -106,14 +117,24 @@ def test_attention_mask_given_or_absent_and_left_padding():
     drafter_ref = plain(target, PROMPTS[0], max_new_tokens=30)
     ids = torch.tensor([PROMPTS[0]])
     for mask in (None, torch.ones_like(ids)):
-        out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                              assistant_model=oracle_drafter(target, [drafter_ref[0]]))
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            assistant_model=oracle_drafter(target, [drafter_ref[0]]),
+        )
         assert torch.equal(out, drafter_ref)
     padded = torch.tensor([[2, 2, 2] + PROMPTS[0]])
     mask = torch.tensor([[0, 0, 0] + [1] * len(PROMPTS[0])])
     expected = target.generate(padded, attention_mask=mask, max_new_tokens=30, do_sample=False)
-    out = target.generate(padded, attention_mask=mask, max_new_tokens=30, do_sample=False,
-                          assistant_model=oracle_drafter(target, [drafter_ref[0]], corrupt=lambda r, a: {4}))
+    out = target.generate(
+        padded,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        assistant_model=oracle_drafter(target, [drafter_ref[0]], corrupt=lambda r, a: {4}),
+    )
     assert torch.equal(out, expected)
 
 
@@ -121,8 +142,9 @@ def test_return_dict_with_scores_and_logits():
     target = tiny_target()
     kwargs = dict(max_new_tokens=20, return_dict_in_generate=True, output_scores=True, output_logits=True)
     expected = plain(target, PROMPTS[0], **kwargs)
-    out, _ = speculative(target, oracle_drafter(target, [expected.sequences[0]], corrupt=lambda r, a: {5}),
-                         PROMPTS[0], **kwargs)
+    out, _ = speculative(
+        target, oracle_drafter(target, [expected.sequences[0]], corrupt=lambda r, a: {5}), PROMPTS[0], **kwargs
+    )
     assert torch.equal(out.sequences, expected.sequences)
     assert len(out.scores) == len(expected.scores) == 20 and len(out.logits) == 20
     for ours, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
@@ -147,19 +169,34 @@ def test_streamers_receive_accepted_chunks(word_tokenizer, capsys):
     reference = plain(target, PROMPTS[0], max_new_tokens=30)
     drafter = oracle_drafter(target, [reference[0]], corrupt=lambda r, a: {6})
     recorder = ChunkRecorder()
-    target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=30, do_sample=False, assistant_model=drafter, streamer=recorder)
+    target.generate(
+        torch.tensor([PROMPTS[0]]), max_new_tokens=30, do_sample=False, assistant_model=drafter, streamer=recorder
+    )
     assert recorder.ended and recorder.chunks[0] == PROMPTS[0]
-    assert sum(recorder.chunks[1:], []) == reference[0, len(PROMPTS[0]):].tolist()
+    assert sum(recorder.chunks[1:], []) == reference[0, len(PROMPTS[0]) :].tolist()
     assert max(len(c) for c in recorder.chunks[1:]) == 6  # several tokens per step
 
-    expected_text = word_tokenizer.decode(reference[0, len(PROMPTS[0]):])
-    target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=30, do_sample=False, assistant_model=drafter,
-                    streamer=TextStreamer(word_tokenizer, skip_prompt=True))
+    expected_text = word_tokenizer.decode(reference[0, len(PROMPTS[0]) :])
+    target.generate(
+        torch.tensor([PROMPTS[0]]),
+        max_new_tokens=30,
+        do_sample=False,
+        assistant_model=drafter,
+        streamer=TextStreamer(word_tokenizer, skip_prompt=True),
+    )
     assert capsys.readouterr().out.strip() == expected_text.strip()
 
     streamer = TextIteratorStreamer(word_tokenizer, skip_prompt=True)
-    thread = threading.Thread(target=target.generate, kwargs=dict(
-        inputs=torch.tensor([PROMPTS[0]]), max_new_tokens=30, do_sample=False, assistant_model=drafter, streamer=streamer))
+    thread = threading.Thread(
+        target=target.generate,
+        kwargs=dict(
+            inputs=torch.tensor([PROMPTS[0]]),
+            max_new_tokens=30,
+            do_sample=False,
+            assistant_model=drafter,
+            streamer=streamer,
+        ),
+    )
     thread.start()
     text = "".join(streamer)
     thread.join()
@@ -176,10 +213,14 @@ def test_drafter_in_another_dtype_stays_lossless():
 def test_generation_config_attributes_choose_the_policy():
     target = tiny_target()
     reference = plain(target, PROMPTS[0], max_new_tokens=30)
-    config = GenerationConfig(max_new_tokens=30, do_sample=False, adaflash_length_policy="confidence",
-                              adaflash_confidence_threshold=0.5)
+    config = GenerationConfig(
+        max_new_tokens=30, do_sample=False, adaflash_length_policy="confidence", adaflash_confidence_threshold=0.5
+    )
     with adaflash_hf.record_stats() as stats:
-        out = target.generate(torch.tensor([PROMPTS[0]]), generation_config=config,
-                              assistant_model=oracle_drafter(target, [reference[0]]))
+        out = target.generate(
+            torch.tensor([PROMPTS[0]]),
+            generation_config=config,
+            assistant_model=oracle_drafter(target, [reference[0]]),
+        )
     assert torch.equal(out, reference)
     assert all(length <= 8 for s in stats.steps for length in s.candidate_lengths)

@@ -23,8 +23,12 @@ def _greedy(target, **kwargs):
 
 def _native_acceptance(target, drafter, monkeypatch):
     seen = []
-    monkeypatch.setattr(DFlashTokenCandidateGenerator, "update_candidate_strategy",
-                        lambda self, input_ids, scores, num_matches: seen.append(int(num_matches)), raising=False)
+    monkeypatch.setattr(
+        DFlashTokenCandidateGenerator,
+        "update_candidate_strategy",
+        lambda self, input_ids, scores, num_matches: seen.append(int(num_matches)),
+        raising=False,
+    )
     out = _greedy(target, assistant_model=drafter, speculation_type="dflash")
     return out, seen
 
@@ -50,7 +54,9 @@ def test_adaptive_policy_follows_the_length_head():
         drafter.length_head.out.weight.mul_(200.0)  # a random head predicts ~0.5 everywhere; spread it out
     predictions = []
     drafter.length_head.register_forward_hook(lambda module, args, out: predictions.append(float(out.flatten()[0])))
-    config = GenerationConfig(max_new_tokens=40, do_sample=False, adaflash_length_rate=1.2, adaflash_min_candidate_length=2)
+    config = GenerationConfig(
+        max_new_tokens=40, do_sample=False, adaflash_length_rate=1.2, adaflash_min_candidate_length=2
+    )
     with adaflash_hf.record_stats() as stats:
         out = target.generate(PROMPT, generation_config=config, assistant_model=drafter)
     assert torch.equal(out, reference)
@@ -63,8 +69,12 @@ def test_adaptive_policy_follows_the_length_head():
 def test_adaptive_without_a_head_is_a_clear_error():
     target = tiny_target()
     with pytest.raises(ValueError, match="needs a drafter with a length head"):
-        target.generate(PROMPT, max_new_tokens=5, assistant_model=tiny_drafter(target),
-                        generation_config=GenerationConfig(adaflash_length_policy="adaptive", max_new_tokens=5))
+        target.generate(
+            PROMPT,
+            max_new_tokens=5,
+            assistant_model=tiny_drafter(target),
+            generation_config=GenerationConfig(adaflash_length_policy="adaptive", max_new_tokens=5),
+        )
 
 
 def test_transformers_loop_with_our_generator_matches_our_loop():
@@ -105,8 +115,9 @@ def test_changed_internals_warn_and_the_custom_generate_entry_point_works(monkey
         with pytest.warns(UserWarning, match="custom_generate=adaflash_hf.generate_loop"):
             assert adaflash_hf.install() is False
         assert not routing.is_installed()
-        out = target.generate(PROMPT, max_new_tokens=40, do_sample=False, custom_generate=adaflash_hf.generate_loop,
-                              drafter=drafter)
+        out = target.generate(
+            PROMPT, max_new_tokens=40, do_sample=False, custom_generate=adaflash_hf.generate_loop, drafter=drafter
+        )
         assert torch.equal(out, _greedy(target))
     finally:
         monkeypatch.undo()
@@ -160,7 +171,9 @@ def test_beam_search_is_refused():
 def test_num_return_sequences_is_refused():
     target = tiny_target()
     with pytest.raises(ValueError, match="num_return_sequences has to be 1"):
-        target.generate(PROMPT, max_new_tokens=5, do_sample=True, num_return_sequences=2, assistant_model=tiny_drafter(target))
+        target.generate(
+            PROMPT, max_new_tokens=5, do_sample=True, num_return_sequences=2, assistant_model=tiny_drafter(target)
+        )
 
 
 def test_non_croppable_target_is_refused():
@@ -173,15 +186,21 @@ def test_non_croppable_target_is_refused():
 def test_static_cache_is_refused():
     target = tiny_target()
     with pytest.raises(ValueError, match="needs a DynamicCache.*cache_implementation='dynamic'"):
-        target.generate(PROMPT, max_new_tokens=5, do_sample=False, cache_implementation="static",
-                        assistant_model=tiny_drafter(target))
+        target.generate(
+            PROMPT,
+            max_new_tokens=5,
+            do_sample=False,
+            cache_implementation="static",
+            assistant_model=tiny_drafter(target),
+        )
 
 
 def test_batched_sliding_window_beyond_the_window_is_refused():
     target = tiny_target("mistral", sliding_window=16)
     with pytest.raises(NotImplementedError, match="sliding-window target"):
-        target.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=20, do_sample=False,
-                        assistant_model=tiny_drafter(target))
+        target.generate(
+            torch.cat([PROMPT, PROMPT]), max_new_tokens=20, do_sample=False, assistant_model=tiny_drafter(target)
+        )
 
 
 def test_sliding_window_target_at_batch_1_is_lossless():

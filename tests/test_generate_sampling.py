@@ -24,8 +24,13 @@ def models():
 
 
 def _next_token_probs(target, prefix, **sampling):
-    out = target.generate(torch.tensor([prefix]), max_new_tokens=1, output_scores=True, return_dict_in_generate=True,
-                          **{**SAMPLING, **sampling})
+    out = target.generate(
+        torch.tensor([prefix]),
+        max_new_tokens=1,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **{**SAMPLING, **sampling},
+    )
     return torch.softmax(out.scores[0][0].double(), -1)
 
 
@@ -63,8 +68,10 @@ def _speculative_samples(target, drafter, n, batch_size):
     samples = []
     with adaflash_hf.record_stats() as stats:
         for _ in range(n // batch_size):
-            out = target.generate(torch.tensor([PROMPT] * batch_size), max_new_tokens=NEW, assistant_model=drafter, **SAMPLING)
-            samples += [tuple(row[len(PROMPT):].tolist()) for row in out]
+            out = target.generate(
+                torch.tensor([PROMPT] * batch_size), max_new_tokens=NEW, assistant_model=drafter, **SAMPLING
+            )
+            samples += [tuple(row[len(PROMPT) :].tolist()) for row in out]
     return samples, stats
 
 
@@ -81,7 +88,7 @@ def test_the_statistic_rejects_a_slightly_wrong_sampler(models):
     target, _ = models
     torch.manual_seed(1234)
     out = target.generate(torch.tensor([PROMPT] * 1500), max_new_tokens=NEW, **{**SAMPLING, "temperature": 0.8})
-    samples = [tuple(row[len(PROMPT):].tolist()) for row in out]
+    samples = [tuple(row[len(PROMPT) :].tolist()) for row in out]
     joint = exact_joint(target)
     in_support = [s for s in samples if s in joint]
     assert p_value(in_support, joint) < 1e-3
@@ -91,7 +98,7 @@ def test_plain_sampling_passes_the_same_test(models):
     target, _ = models
     torch.manual_seed(99)
     out = target.generate(torch.tensor([PROMPT] * 1500), max_new_tokens=NEW, **SAMPLING)
-    assert p_value([tuple(row[len(PROMPT):].tolist()) for row in out], exact_joint(target)) > 1e-3
+    assert p_value([tuple(row[len(PROMPT) :].tolist()) for row in out], exact_joint(target)) > 1e-3
 
 
 def test_ids_dependent_processors_stay_lossless(models):
@@ -102,8 +109,9 @@ def test_ids_dependent_processors_stay_lossless(models):
     samples = []
     with adaflash_hf.record_stats() as stats:
         for _ in range(3):
-            out = target.generate(torch.tensor([PROMPT] * 500), max_new_tokens=NEW, assistant_model=drafter,
-                                  **{**SAMPLING, **penalty})
-            samples += [tuple(row[len(PROMPT):].tolist()) for row in out]
+            out = target.generate(
+                torch.tensor([PROMPT] * 500), max_new_tokens=NEW, assistant_model=drafter, **{**SAMPLING, **penalty}
+            )
+            samples += [tuple(row[len(PROMPT) :].tolist()) for row in out]
     assert sum(sum(s.accepted) for s in stats.steps) > 0
     assert p_value(samples, exact_joint(target, **penalty)) > 1e-3

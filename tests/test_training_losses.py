@@ -58,8 +58,11 @@ def test_anchor_sampling_rejects_sequences_without_room_for_a_block():
 
 def test_attention_mask_equals_brute_force_construction():
     seq, bs = 12, 3
-    layout = BlockLayout(anchors=torch.tensor([[2, 5, 9], [4, 0, 0]]),
-                         keep=torch.tensor([[True, True, True], [True, False, False]]), block_size=bs)
+    layout = BlockLayout(
+        anchors=torch.tensor([[2, 5, 9], [4, 0, 0]]),
+        keep=torch.tensor([[True, True, True], [True, False, False]]),
+        block_size=bs,
+    )
     mask = block_attention_mask(seq, layout)
     assert mask.shape == (2, 1, 9, seq + 9) and mask.dtype == torch.bool
     for b in range(2):
@@ -89,7 +92,7 @@ def test_weights_exclude_anchor_slot_prompt_padding_and_dropped_blocks_and_decay
     weights = block_loss_weights(loss_mask, layout, decay_gamma=7.0)
     supervised = block_supervised_mask(loss_mask, layout)
     assert supervised[0].tolist() == [
-        [False, True, True, True],    # slots 5, 6, 7: response; slot 0 is the anchor
+        [False, True, True, True],  # slots 5, 6, 7: response; slot 0 is the anchor
         [False, True, False, False],  # slot 8 is response; 9 and 10 are padding
         [False, False, False, False],  # dropped block
     ]
@@ -188,8 +191,9 @@ def test_opd_loss_mixes_ce_and_clipped_rkl_and_reports_the_clip_ratio():
 
 
 def test_accepted_drafts_and_length_head_labels():
-    matches = torch.tensor([[True, True, True, False, True], [False, False, True, True, True],
-                            [False, True, True, True, True]])
+    matches = torch.tensor(
+        [[True, True, True, False, True], [False, False, True, True, True], [False, True, True, True, True]]
+    )
     accepted = accepted_drafts(matches)
     assert accepted.tolist() == [2, 0, 4]  # slot 0 (the anchor) never counts
     assert torch.allclose(length_head_labels(accepted, 5, lookahead=1), torch.tensor([3 / 5, 1 / 5, 1.0]))

@@ -6,26 +6,13 @@ import pytest
 import torch
 import yaml
 from datasets import Dataset
-from synthetic import prompts, synthetic_drafter, synthetic_tokenizer, train_target
+from synthetic import prompts, synthetic_drafter
 from transformers import GenerationConfig
 
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.training.cli import load_recipe, train_main
 from adaflash_hf.training.length_head import LengthHeadInitConfig, init_length_head
 from adaflash_hf.training.rollouts import RolloutStore, collate_sequences, encode_dataset, generate_completions
-
-# Tiny models gain nothing from intra-op threads, and two OpenMP threads on cores shared with other jobs spin-wait
-# for seconds per step (measured 40x slower); one thread keeps these tests fast on a busy machine.
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return synthetic_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    return train_target(tokenizer)
 
 
 def test_length_head_init_fits_only_the_head(target, tokenizer):
@@ -34,8 +21,13 @@ def test_length_head_init_fits_only_the_head(target, tokenizer):
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts(16)]
     config = GenerationConfig(max_new_tokens=24, do_sample=False, pad_token_id=0)
     pairs = list(zip(prompt_ids, generate_completions(target, prompt_ids, config, pad_token_id=0)))
-    errors = init_length_head(drafter, target, pairs, pad_token_id=0,
-                              config=LengthHeadInitConfig(num_anchors=16, epochs=8, batch_size=8, learning_rate=1e-2))
+    errors = init_length_head(
+        drafter,
+        target,
+        pairs,
+        pad_token_id=0,
+        config=LengthHeadInitConfig(num_anchors=16, epochs=8, batch_size=8, learning_rate=1e-2),
+    )
     assert drafter.length_head is not None and drafter.config.use_length_head
     assert errors[-1] < errors[0] / 2
     assert all(torch.equal(p, frozen[n]) for n, p in drafter.named_parameters() if not n.startswith("thresh_head"))
@@ -52,8 +44,12 @@ def test_encode_dataset_handles_pairs_and_conversations(tokenizer):
     pairs = encode_dataset(Dataset.from_dict({"prompt": ["step1 n1"], "response": ["n2 n3"]}), tokenizer)
     assert pairs[0]["prompt_ids"] == tokenizer("step1 n1")["input_ids"]
     assert pairs[0]["completion_ids"] == tokenizer("n2 n3")["input_ids"]
-    chats = encode_dataset(Dataset.from_dict({"messages": [[{"role": "user", "content": "step1 n1"},
-                                                            {"role": "assistant", "content": "n2 n3"}]]}), tokenizer)
+    chats = encode_dataset(
+        Dataset.from_dict(
+            {"messages": [[{"role": "user", "content": "step1 n1"}, {"role": "assistant", "content": "n2 n3"}]]}
+        ),
+        tokenizer,
+    )
     assert chats[0]["prompt_ids"] == tokenizer("step1 n1 ")["input_ids"]
     assert chats[0]["completion_ids"] == tokenizer("n2 n3")["input_ids"]
 
@@ -72,13 +68,27 @@ def test_train_main_runs_a_yaml_recipe(target, tokenizer, tmp_path):
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(8)))
     recipe = {
         "target": str(tmp_path / "target"),
-        "new_drafter": {"num_hidden_layers": 1, "block_size": 8, "mask_token_id": tokenizer.mask_token_id,
-                        "target_layer_ids": [0, 1]},
+        "new_drafter": {
+            "num_hidden_layers": 1,
+            "block_size": 8,
+            "mask_token_id": tokenizer.mask_token_id,
+            "target_layer_ids": [0, 1],
+        },
         "add_length_head": True,
         "dataset": {"path": "json", "data_files": str(tmp_path / "prompts.jsonl"), "split": "train"},
-        "training": {"output_dir": str(tmp_path / "run"), "max_steps": 3, "per_device_train_batch_size": 2,
-                     "gradient_accumulation_steps": 1, "bf16": False, "use_cpu": True, "report_to": [],
-                     "max_completion_length": 24, "num_anchors": 16, "save_strategy": "no", "disable_tqdm": True},
+        "training": {
+            "output_dir": str(tmp_path / "run"),
+            "max_steps": 3,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "bf16": False,
+            "use_cpu": True,
+            "report_to": [],
+            "max_completion_length": 24,
+            "num_anchors": 16,
+            "save_strategy": "no",
+            "disable_tqdm": True,
+        },
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -103,12 +113,18 @@ def _stepwise_acceptance(target, drafter, prompt, completion):
     lengths, anchor, end = [], len(prompt), sequence.shape[1] - 1
     while anchor < end:
         block = torch.tensor([[sequence[0, anchor].item()] + [mask_id] * (bs - 1)])
-        hidden = drafter(noise_embeds=target.get_input_embeddings()(block),
-                         context_hidden_states=features.context[:, :anchor],
-                         position_ids=torch.arange(anchor + bs)[None]).last_hidden_state
+        hidden = drafter(
+            noise_embeds=target.get_input_embeddings()(block),
+            context_hidden_states=features.context[:, :anchor],
+            position_ids=torch.arange(anchor + bs)[None],
+        ).last_hidden_state
         drafts = target.lm_head(hidden)[0, 1:].argmax(-1).tolist()
         accepted = 0
-        while accepted < bs - 1 and anchor + accepted + 1 <= end and drafts[accepted] == sequence[0, anchor + accepted + 1]:
+        while (
+            accepted < bs - 1
+            and anchor + accepted + 1 <= end
+            and drafts[accepted] == sequence[0, anchor + accepted + 1]
+        ):
             accepted += 1
         step = min(accepted + 1, end - anchor)
         lengths.append(step)
@@ -121,11 +137,27 @@ def test_measured_acceptance_equals_a_teacher_forced_stepwise_replay(target, tok
 
     # A partly trained drafter, so that blocks are accepted to different depths.
     drafter = synthetic_drafter(target, tokenizer)
-    args = OPDConfig(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4,
-                     gradient_accumulation_steps=1, learning_rate=3e-3, bf16=False, use_cpu=True, report_to=[],
-                     save_strategy="no", max_completion_length=24, num_anchors=32, disable_tqdm=True)
-    OPDTrainer(model=drafter, teacher_model=target, args=args, train_dataset=Dataset.from_dict({"prompt": prompts(16)}),
-               processing_class=tokenizer).train()
+    args = OPDConfig(
+        output_dir=str(tmp_path),
+        max_steps=30,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        learning_rate=3e-3,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        max_completion_length=24,
+        num_anchors=32,
+        disable_tqdm=True,
+    )
+    OPDTrainer(
+        model=drafter,
+        teacher_model=target,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts(16)}),
+        processing_class=tokenizer,
+    ).train()
     drafter.eval()
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts(4, seed=3)]
     config = GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=0)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from synthetic import prompts, synthetic_drafter, synthetic_tokenizer, train_target
+from synthetic import prompts, synthetic_drafter
 from transformers import TrainerCallback
 
 from adaflash_hf import AdaFlashDrafter
@@ -14,19 +14,6 @@ from adaflash_hf.training import OPDConfig, OPDTrainer, measure_acceptance
 from adaflash_hf.training import rollouts as rollouts_module
 
 COMPLETION = 32
-
-# Tiny models gain nothing from intra-op threads, and two OpenMP threads on cores shared with other jobs spin-wait
-# for seconds per step (measured 40x slower); one thread keeps these tests fast on a busy machine.
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return synthetic_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def target(tokenizer):
-    return train_target(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +23,20 @@ def eval_prompts(tokenizer):
 
 def _args(output_dir, **overrides):
     defaults = dict(
-        output_dir=str(output_dir), max_steps=10, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-        learning_rate=3e-3, bf16=False, use_cpu=True, logging_steps=5, save_strategy="no", report_to=[],
-        max_completion_length=COMPLETION, num_anchors=64, disable_tqdm=True, seed=0,
+        output_dir=str(output_dir),
+        max_steps=10,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        learning_rate=3e-3,
+        bf16=False,
+        use_cpu=True,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        max_completion_length=COMPLETION,
+        num_anchors=64,
+        disable_tqdm=True,
+        seed=0,
     )
     return OPDConfig(**{**defaults, **overrides})
 
@@ -46,13 +44,15 @@ def _args(output_dir, **overrides):
 def _trainer(target, tokenizer, args, drafter=None, dataset=None, **kwargs):
     drafter = drafter if drafter is not None else synthetic_drafter(target, tokenizer)
     dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": prompts(32)})
-    return OPDTrainer(model=drafter, teacher_model=target, args=args, train_dataset=dataset,
-                      processing_class=tokenizer, **kwargs)
+    return OPDTrainer(
+        model=drafter, teacher_model=target, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs
+    )
 
 
 def _acceptance(target, drafter, prompts_ids):
-    return measure_acceptance(target, drafter.eval(), prompts_ids, max_new_tokens=COMPLETION, pad_token_id=0,
-                              eos_token_id=1).mean_acceptance_length
+    return measure_acceptance(
+        target, drafter.eval(), prompts_ids, max_new_tokens=COMPLETION, pad_token_id=0, eos_token_id=1
+    ).mean_acceptance_length
 
 
 def test_opd_training_raises_acceptance_and_the_checkpoint_reloads(target, tokenizer, eval_prompts, tmp_path):
@@ -81,10 +81,15 @@ def test_opd_training_raises_acceptance_and_the_checkpoint_reloads(target, token
 def test_every_loss_type_trains_on_offline_pairs(target, tokenizer, tmp_path, loss_type):
     texts = prompts(16)
     # Offline pairs: the target's own continuations as plain text responses.
-    pairs = Dataset.from_dict({"prompt": texts, "completion": [
-        " ".join(tokenizer.decode(ids).split()) for ids in _greedy(target, tokenizer, texts)]})
-    trainer = _trainer(target, tokenizer, _args(tmp_path, loss_type=loss_type, max_steps=12, logging_steps=2),
-                       dataset=pairs)
+    pairs = Dataset.from_dict(
+        {
+            "prompt": texts,
+            "completion": [" ".join(tokenizer.decode(ids).split()) for ids in _greedy(target, tokenizer, texts)],
+        }
+    )
+    trainer = _trainer(
+        target, tokenizer, _args(tmp_path, loss_type=loss_type, max_steps=12, logging_steps=2), dataset=pairs
+    )
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses[-1] < losses[0]
@@ -131,8 +136,9 @@ def test_lora_adapters_train_save_reload_and_hotswap(target, tokenizer, eval_pro
     from peft import LoraConfig, PeftModel
     from peft.utils.hotswap import hotswap_adapter
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                         "up_proj", "down_proj"])
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     args = _args(tmp_path, max_steps=20, save_strategy="steps", save_steps=20)
     trainer = _trainer(target, tokenizer, args, peft_config=lora)
     trainer.train()
@@ -140,8 +146,9 @@ def test_lora_adapters_train_save_reload_and_hotswap(target, tokenizer, eval_pro
     assert (checkpoint / "adapter_config.json").exists() and (checkpoint / "adapter_model.safetensors").exists()
     trained = trainer.model.eval()
     base_before = synthetic_drafter(target, tokenizer)
-    base_after = {n.replace(".base_layer", ""): p for n, p in trained.get_base_model().named_parameters()
-                  if "lora_" not in n}
+    base_after = {
+        n.replace(".base_layer", ""): p for n, p in trained.get_base_model().named_parameters() if "lora_" not in n
+    }
     assert all(torch.equal(base_after[n], p) for n, p in base_before.named_parameters())  # only adapters train
 
     reloaded = PeftModel.from_pretrained(synthetic_drafter(target, tokenizer), checkpoint).eval()
@@ -173,8 +180,9 @@ def test_frozen_length_head_under_lora_is_a_clear_error(target, tokenizer, tmp_p
 
     drafter = synthetic_drafter(target, tokenizer, use_length_head=True)
     with pytest.raises(ValueError, match="modules_to_save"):
-        _trainer(target, tokenizer, _args(tmp_path), drafter=drafter,
-                 peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
+        _trainer(
+            target, tokenizer, _args(tmp_path), drafter=drafter, peft_config=LoraConfig(r=2, target_modules=["q_proj"])
+        )
 
 
 def test_bad_inputs_raise_one_clear_error(target, tokenizer, tmp_path):
@@ -204,8 +212,9 @@ def test_messages_prompts_use_the_chat_template_and_rollouts_are_cached(target, 
     assert len(cached) == 8 and len(cached[0]["completion_ids"]) == COMPLETION
 
 
-def test_evaluate_on_pairs_and_push_to_hub_uploads_the_hub_format_with_our_card(target, tokenizer, tmp_path,
-                                                                                monkeypatch):
+def test_evaluate_on_pairs_and_push_to_hub_uploads_the_hub_format_with_our_card(
+    target, tokenizer, tmp_path, monkeypatch
+):
     pairs = Dataset.from_dict({"prompt": prompts(4), "completion": ["n1 n2 n3 n4 n5 n6 n7 n8 n9 n10 n11"] * 4})
     args = _args(tmp_path, max_steps=2, hub_model_id="someone/tiny-drafter", per_device_eval_batch_size=2)
     trainer = _trainer(target, tokenizer, args, eval_dataset=pairs)
@@ -235,8 +244,12 @@ def test_evaluate_on_pairs_and_push_to_hub_uploads_the_hub_format_with_our_card(
 
 
 def test_rollouts_are_refreshed_every_rollout_refresh_steps(target, tokenizer, tmp_path):
-    trainer = _trainer(target, tokenizer, _args(tmp_path, max_steps=7, rollout_refresh_steps=3),
-                       dataset=Dataset.from_dict({"prompt": prompts(8)}))
+    trainer = _trainer(
+        target,
+        tokenizer,
+        _args(tmp_path, max_steps=7, rollout_refresh_steps=3),
+        dataset=Dataset.from_dict({"prompt": prompts(8)}),
+    )
     trainer.train()
     rounds = sorted(p.name for p in (tmp_path / "rollouts").iterdir())
     assert rounds == ["round-00000", "round-00001", "round-00002"]  # steps 0-2, 3-5, 6

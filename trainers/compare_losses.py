@@ -38,9 +38,14 @@ def main(argv=None) -> int:
         tokenizer, target = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.teacher_model)
         rows = load_dataset("json", data_files=options.eval_data, split="train").select(range(options.num_eval))
         prompts = encode_dataset(rows, tokenizer, {"enable_thinking": trainer.args.enable_thinking})["prompt_ids"]
-        stats = measure_acceptance(target, trainer.accelerator.unwrap_model(trainer.model).eval(), prompts,
-                                   max_new_tokens=options.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                   eos_token_id=trainer.eos_token_ids)
+        stats = measure_acceptance(
+            target,
+            trainer.accelerator.unwrap_model(trainer.model).eval(),
+            prompts,
+            max_new_tokens=options.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=trainer.eos_token_ids,
+        )
         results[loss_type] = {"mean_acceptance_length": stats.mean_acceptance_length, "steps": stats.num_steps}
     (root / "comparison.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

@@ -28,10 +28,13 @@ def main(argv=None) -> int:
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--dtype", default="auto")
     for field in dataclasses.fields(LengthHeadInitConfig):
-        parser.add_argument(f"--{field.name}", type=type(field.default) if field.default is not None else int,
-                            default=field.default)
+        parser.add_argument(
+            f"--{field.name}", type=type(field.default) if field.default is not None else int, default=field.default
+        )
     options = parser.parse_args(argv)
-    config = LengthHeadInitConfig(**{f.name: getattr(options, f.name) for f in dataclasses.fields(LengthHeadInitConfig)})
+    config = LengthHeadInitConfig(
+        **{f.name: getattr(options, f.name) for f in dataclasses.fields(LengthHeadInitConfig)}
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(options.target)
     target = AutoModelForCausalLM.from_pretrained(options.target, dtype=options.dtype)

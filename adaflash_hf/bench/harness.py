@@ -142,11 +142,13 @@ def run_benchmark(
             usable = available_methods(methods, batch_size, drafter, ar_draft)
             tallies = {m: _Tally() for m in usable}
             batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
-            for step, (repeat, batch) in enumerate(itertools.product(range(repeats), batches)):
+            for step, (_, batch) in enumerate(itertools.product(range(repeats), batches)):
                 inputs = tokenizer(batch, return_tensors="pt", padding=True).to(target.device)
-                rotation = usable[step % len(usable):] + usable[: step % len(usable)]
+                rotation = usable[step % len(usable) :] + usable[: step % len(usable)]
                 outputs = {
-                    method: _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tallies[method])
+                    method: _timed_generate(
+                        target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tallies[method]
+                    )
                     for method in rotation
                 }
                 for method, rows in outputs.items():
@@ -156,19 +158,23 @@ def run_benchmark(
             plain_speed = _speed(tallies.get("plain"))
             for method, tally in tallies.items():
                 speed = _speed(tally)
-                records.append(BenchRecord(
-                    method=method,
-                    batch_size=batch_size,
-                    domain=domain,
-                    dtype=dtype,
-                    tokens_per_s=speed,
-                    speedup=speed / plain_speed if plain_speed else float("nan"),
-                    mean_acceptance_length=(tally.tokens - tally.rows) / max(tally.row_forwards, 1),
-                    verified_per_emitted=tally.processed / max(tally.tokens - tally.rows, 1),
-                    identical_fraction=tally.identical / max(tally.rows, 1) if "plain" in tallies else float("nan"),
-                    emitted_tokens=tally.tokens,
-                    seconds=tally.seconds,
-                ))
+                records.append(
+                    BenchRecord(
+                        method=method,
+                        batch_size=batch_size,
+                        domain=domain,
+                        dtype=dtype,
+                        tokens_per_s=speed,
+                        speedup=speed / plain_speed if plain_speed else float("nan"),
+                        mean_acceptance_length=(tally.tokens - tally.rows) / max(tally.row_forwards, 1),
+                        verified_per_emitted=tally.processed / max(tally.tokens - tally.rows, 1),
+                        identical_fraction=tally.identical / max(tally.rows, 1)
+                        if "plain" in tallies
+                        else float("nan"),
+                        emitted_tokens=tally.tokens,
+                        seconds=tally.seconds,
+                    )
+                )
     return records
 
 
@@ -176,10 +182,14 @@ def _speed(tally) -> float:
     return tally.tokens / tally.seconds if tally and tally.seconds else 0.0
 
 
-def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tally) -> list[list[int]]:
+def _timed_generate(
+    target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tally
+) -> list[list[int]]:
     kwargs = method_kwargs(method, drafter, ar_draft)
     adaflash = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("adaflash_")}
-    config = GenerationConfig(**{**target.generation_config.to_dict(), "do_sample": False, "max_new_tokens": max_new_tokens, **adaflash})
+    config = GenerationConfig(
+        **{**target.generation_config.to_dict(), "do_sample": False, "max_new_tokens": max_new_tokens, **adaflash}
+    )
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     with counter.counting():
         sync()

@@ -5,8 +5,17 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-COLUMNS = ("method", "batch_size", "domain", "dtype", "tokens_per_s", "speedup", "mean_acceptance_length",
-           "verified_per_emitted", "identical_fraction")
+COLUMNS = (
+    "method",
+    "batch_size",
+    "domain",
+    "dtype",
+    "tokens_per_s",
+    "speedup",
+    "mean_acceptance_length",
+    "verified_per_emitted",
+    "identical_fraction",
+)
 
 
 def _cell(value) -> str:
@@ -37,7 +46,9 @@ def plot_records(records, folder) -> list[Path]:
         width = 0.8 / len(methods)
         for i, method in enumerate(methods):
             values = {r.domain: r.mean_acceptance_length for r in batch_1 if r.method == method}
-            ax.bar([d + i * width for d in range(len(domains))], [values.get(d, 0) for d in domains], width, label=method)
+            ax.bar(
+                [d + i * width for d in range(len(domains))], [values.get(d, 0) for d in domains], width, label=method
+            )
         ax.set_xticks([d + 0.4 - width / 2 for d in range(len(domains))], domains)
         ax.set_ylabel("mean acceptance length (tokens per target forward)")
         ax.set_title("Acceptance per domain, batch 1")

@@ -94,7 +94,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
 
         features ``[B, n, K * H]``, positions ``[B, n]``, valid ``[B, n]`` bool (``None``: all rows fed ``n``).
         """
-        self._pending = (features.to(self.device), positions.to(self.device), None if _all_true(valid) else valid.to(self.device))
+        self._pending = (
+            features.to(self.device),
+            positions.to(self.device),
+            None if _all_true(valid) else valid.to(self.device),
+        )
 
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keeps only the batch rows in `index` (finished rows stop costing drafter compute)."""
@@ -130,7 +134,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         position_ids = torch.cat([positions, anchor_positions.to(self.device)[:, None] + offsets], dim=1)
 
         context_mask = self._context_mask(batch, new, valid)
-        attention_mask = None if context_mask is None else torch.cat([context_mask, torch.ones_like(context_mask[:, :1]).expand(-1, self.block_size)], 1)
+        attention_mask = (
+            None
+            if context_mask is None
+            else torch.cat([context_mask, torch.ones_like(context_mask[:, :1]).expand(-1, self.block_size)], 1)
+        )
         self.cache.set_previous_accepted_tokens(new)
         out = self.drafter(
             noise_embeds=noise.to(self.device),
@@ -142,7 +150,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
         self.cache_mask = context_mask
 
-        hidden = out.last_hidden_state[:, 1:].to(self.output_embeddings.weight.device, self.output_embeddings.weight.dtype)
+        hidden = out.last_hidden_state[:, 1:].to(
+            self.output_embeddings.weight.device, self.output_embeddings.weight.dtype
+        )
         logits = self.output_embeddings(hidden).float().to(anchors.device)
         logits, tokens = process_positions(self.logits_processor, sequences, lengths, logits, choose=self.choose)
         probs = torch.softmax(logits, dim=-1) if self.do_sample or self.policy.needs_confidence else None
@@ -169,7 +179,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
 
     # ------------------------------------------------------------------ transformers' CandidateGenerator contract
 
-    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs):
+    def get_candidates(
+        self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
+    ):
         """transformers' assisted-decoding contract (batch 1): ``(input_ids + k drafts, their logits or None)``."""
         if is_first_iteration:
             return input_ids, None  # the loop's first pass is the target prefill, which yields our first context

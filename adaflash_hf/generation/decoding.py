@@ -56,7 +56,17 @@ def _check_cache(cache, target, batch_size: int, max_length: int) -> None:
 class SpeculativeDecoding:
     """State and steps of one speculative generate() call (see the module docstring)."""
 
-    def __init__(self, target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
+    def __init__(
+        self,
+        target,
+        drafter,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        streamer,
+        model_kwargs,
+    ):
         self.target = target
         self.config = generation_config
         self.processors = logits_processor
@@ -80,7 +90,9 @@ class SpeculativeDecoding:
         self.active = torch.arange(batch, device=input_ids.device)  # original row index of each active row
         eos = generation_config._eos_token_tensor
         self.eos = None if eos is None else eos.to(input_ids.device).flatten()
-        self.extra_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        self.extra_criteria = [
+            c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
+        ]
         keep = generation_config.return_dict_in_generate
         self.scores = [[] for _ in range(batch)] if keep and generation_config.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if keep and generation_config.output_logits else None
@@ -112,7 +124,9 @@ class SpeculativeDecoding:
             logits_to_keep=1,
         )
         raw = outputs.logits[:, -1:].float()
-        processed, first = process_positions(self.processors, self.sequences, self.lengths, raw.clone(), choose=self.generator.choose)
+        processed, first = process_positions(
+            self.processors, self.sequences, self.lengths, raw.clone(), choose=self.generator.choose
+        )
         self.cache_mask = None if self.attention_mask is None else self.attention_mask.bool()
         valid = None if self.attention_mask is None else self.attention_mask.bool()
         self.generator.add_context(self.generator.context_features(outputs.hidden_states), positions, valid)
@@ -142,7 +156,9 @@ class SpeculativeDecoding:
         verified = self.recorder.clock()
 
         raw = outputs.logits.float()
-        processed, _ = process_positions(self.processors, self.sequences[rows], self.lengths[rows], raw.clone(), tokens=verify_ids[:, 1:])
+        processed, _ = process_positions(
+            self.processors, self.sequences[rows], self.lengths[rows], raw.clone(), tokens=verify_ids[:, 1:]
+        )
         draft_tokens = drafts.tokens[:, : width - 1]
         if generator.do_sample:
             accepted, following = speculative_sampling(
@@ -150,7 +166,9 @@ class SpeculativeDecoding:
             )
         else:
             accepted, following = greedy_acceptance(draft_tokens, processed, drafts.num_drafts)
-        committed = torch.cat([draft_tokens, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
+        committed = torch.cat([draft_tokens, following[:, None]], dim=1).scatter(
+            1, accepted[:, None], following[:, None]
+        )
 
         self._keep_in_cache(offsets <= accepted[:, None], width)
         generator.add_context(
@@ -200,7 +218,9 @@ class SpeculativeDecoding:
         finished = counts >= budget
         counts = torch.minimum(counts, budget)
         if self.eos is not None:
-            is_eos = torch.isin(tokens, self.eos) & (torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None])
+            is_eos = torch.isin(tokens, self.eos) & (
+                torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
+            )
             hit = is_eos.any(-1)
             counts = torch.where(hit, is_eos.int().argmax(-1) + 1, counts)
             finished |= hit
@@ -238,7 +258,9 @@ class SpeculativeDecoding:
             return
         past = self.cache_mask
         if past is None:
-            past = torch.ones(kept.shape[0], self.cache.get_seq_length() - kept.shape[1], dtype=torch.bool, device=kept.device)
+            past = torch.ones(
+                kept.shape[0], self.cache.get_seq_length() - kept.shape[1], dtype=torch.bool, device=kept.device
+            )
         self.cache_mask = torch.cat([past, kept], dim=1)
         if self.cache_mask.all():
             self.cache_mask = None
@@ -289,7 +311,7 @@ class SpeculativeDecoding:
 
     @staticmethod
     def _per_token(per_row, generated):
-        """Per-row lists of ``[V]`` tensors -> a tuple over generated positions of ``[B, V]`` (zeros after a row ends)."""
+        """Per-row lists of ``[V]`` tensors -> tuple over generated positions of ``[B, V]``, zeros after a row ends."""
         if per_row is None:
             return None
         template = next(t for row in per_row for t in row)
@@ -299,7 +321,9 @@ class SpeculativeDecoding:
         )
 
 
-def adaflash_decoding(target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, **model_kwargs):
+def adaflash_decoding(
+    target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, **model_kwargs
+):
     """Runs speculative decoding; arguments as transformers passes them to a decoding method."""
     return SpeculativeDecoding(
         target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs

@@ -83,7 +83,9 @@ class LengthPolicy:
             doubt = 1.0 - torch.cumprod(draft_confidence.float(), dim=-1)
             over = doubt > self.confidence_threshold
             # first draft j (1-based) whose cumulative doubt exceeds the threshold; verify the drafts before it
-            first = torch.where(over.any(-1), over.int().argmax(-1) + 1, torch.full_like(over[:, 0], block_size, dtype=torch.long))
+            first = torch.where(
+                over.any(-1), over.int().argmax(-1) + 1, torch.full_like(over[:, 0], block_size, dtype=torch.long)
+            )
             lengths = first.long()
         return lengths.clamp(self.min_candidate_length, block_size)
 

@@ -29,12 +29,29 @@ from .decoding import adaflash_decoding
 
 EXPECTED_SIGNATURES = {
     "_assisted_decoding": (
-        "self", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus",
-        "streamer", "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer", "model_kwargs",
+        "self",
+        "input_ids",
+        "logits_processor",
+        "stopping_criteria",
+        "generation_config",
+        "synced_gpus",
+        "streamer",
+        "inputs_tensor",
+        "assistant_model",
+        "assistant_tokenizer",
+        "tokenizer",
+        "model_kwargs",
     ),
     "_get_candidate_generator": (
-        "self", "generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs",
-        "assistant_model", "target_tokenizer", "assistant_tokenizer",
+        "self",
+        "generation_config",
+        "input_ids",
+        "inputs_tensor",
+        "logits_processor",
+        "model_kwargs",
+        "assistant_model",
+        "target_tokenizer",
+        "assistant_tokenizer",
     ),
     "_validate_generation_mode": ("self", "generation_mode", "generation_config", "generation_mode_kwargs"),
 }
@@ -69,26 +86,75 @@ def _validate_generation_mode(previous, self, generation_mode, generation_config
     return previous(self, generation_mode, generation_config, generation_mode_kwargs)
 
 
-def _assisted_decoding(previous, self, input_ids, logits_processor, stopping_criteria, generation_config,
-                       synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None,
-                       assistant_tokenizer=None, tokenizer=None, **model_kwargs):
+def _assisted_decoding(
+    previous,
+    self,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    streamer=None,
+    inputs_tensor=None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    **model_kwargs,
+):
     if _ours(assistant_model, generation_config) and (_uses_our_loop(generation_config) or input_ids.shape[0] > 1):
         if synced_gpus:
             raise ValueError("adaflash_hf's decoding loop does not support synced_gpus (FSDP/ZeRO-3 generation).")
         return adaflash_decoding(
-            self, assistant_model, input_ids, logits_processor, stopping_criteria, generation_config,
-            streamer=streamer, **model_kwargs,
+            self,
+            assistant_model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer=streamer,
+            **model_kwargs,
         )
-    return previous(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-                    inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs)
+    return previous(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus,
+        streamer,
+        inputs_tensor,
+        assistant_model,
+        assistant_tokenizer,
+        tokenizer,
+        **model_kwargs,
+    )
 
 
-def _get_candidate_generator(previous, self, generation_config, input_ids, inputs_tensor, logits_processor,
-                             model_kwargs, assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+def _get_candidate_generator(
+    previous,
+    self,
+    generation_config,
+    input_ids,
+    inputs_tensor,
+    logits_processor,
+    model_kwargs,
+    assistant_model=None,
+    target_tokenizer=None,
+    assistant_tokenizer=None,
+):
     if _ours(assistant_model, generation_config):
         return AdaFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor)
-    return previous(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                    assistant_model, target_tokenizer, assistant_tokenizer)
+    return previous(
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+        assistant_model,
+        target_tokenizer,
+        assistant_tokenizer,
+    )
 
 
 _WRAPPERS = {
@@ -107,7 +173,8 @@ def install() -> bool:
     if is_installed():
         return True
     changed = [
-        name for name, params in EXPECTED_SIGNATURES.items()
+        name
+        for name, params in EXPECTED_SIGNATURES.items()
         if tuple(inspect.signature(getattr(GenerationMixin, name)).parameters) != params
     ]
     if changed:
@@ -140,13 +207,31 @@ def uninstall() -> None:
             setattr(GenerationMixin, name, getattr(current, _MARK))
 
 
-def generate_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, drafter=None,
-                  adaflash_streamer=None, **model_kwargs):
+def generate_loop(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    drafter=None,
+    adaflash_streamer=None,
+    **model_kwargs,
+):
     """Patch-free entry point: ``target.generate(**inputs, custom_generate=adaflash_hf.generate_loop, drafter=d)``.
 
     transformers does not forward `streamer` to a `custom_generate` callable, hence `adaflash_streamer`.
     """
     if not is_adaflash_drafter(drafter):
-        raise ValueError("generate_loop needs drafter=<AdaFlashDrafter> (custom_generate callables get no assistant_model)")
-    return adaflash_decoding(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                             streamer=adaflash_streamer, **model_kwargs)
+        raise ValueError(
+            "generate_loop needs drafter=<AdaFlashDrafter> (custom_generate callables get no assistant_model)"
+        )
+    return adaflash_decoding(
+        model,
+        drafter,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        streamer=adaflash_streamer,
+        **model_kwargs,
+    )

@@ -47,7 +47,11 @@ class CallRecord:
         for step in self.steps:
             if index in step.rows:
                 slot = step.rows.index(index)
-                steps, emitted, verified = steps + 1, emitted + step.emitted[slot], verified + step.candidate_lengths[slot]
+                steps, emitted, verified = (
+                    steps + 1,
+                    emitted + step.emitted[slot],
+                    verified + step.candidate_lengths[slot],
+                )
         return {
             "steps": steps,
             "emitted_tokens": emitted,

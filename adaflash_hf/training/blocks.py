@@ -82,8 +82,9 @@ def block_noise_ids(input_ids: torch.LongTensor, layout: BlockLayout, mask_token
     """``[B, Q]`` ids ``[token_at_anchor, mask * (bs - 1)]`` per block (spec §4.3), embedded with the target's
     frozen input embeddings. Dropped blocks are all mask tokens."""
     anchor_tokens = input_ids.gather(1, layout.anchors).masked_fill(~layout.keep, mask_token_id)
-    ids = torch.full((*layout.anchors.shape, layout.block_size), mask_token_id, dtype=input_ids.dtype,
-                     device=input_ids.device)
+    ids = torch.full(
+        (*layout.anchors.shape, layout.block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
     ids[:, :, 0] = anchor_tokens
     return ids.flatten(1)
 

@@ -22,8 +22,17 @@ from pathlib import Path
 
 import yaml
 
-RECIPE_KEYS = {"target", "target_kwargs", "drafter", "new_drafter", "add_length_head", "dataset", "lora", "training",
-               "resume_from_checkpoint"}
+RECIPE_KEYS = {
+    "target",
+    "target_kwargs",
+    "drafter",
+    "new_drafter",
+    "add_length_head",
+    "dataset",
+    "lora",
+    "training",
+    "resume_from_checkpoint",
+}
 
 
 def load_recipe(path: str | Path) -> dict:
@@ -64,8 +73,14 @@ def build_from_recipe(recipe: dict):
 
         peft_config = LoraConfig(**recipe["lora"])
     dataset = load_dataset(**recipe["dataset"])
-    trainer = OPDTrainer(model=drafter, teacher_model=target, args=args, train_dataset=dataset,
-                         processing_class=tokenizer, peft_config=peft_config)
+    trainer = OPDTrainer(
+        model=drafter,
+        teacher_model=target,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     return trainer, recipe.get("resume_from_checkpoint")
 
 
@@ -74,8 +89,11 @@ def train_main(argv: list[str] | None = None) -> int:
     Hub when ``training.push_to_hub`` is set."""
     parser = argparse.ArgumentParser(prog="adaflash train", description="OPD training of an AdaFlash drafter.")
     parser.add_argument("--config", required=True, help="YAML recipe (see trainers/*.yaml)")
-    parser.add_argument("--resume_from_checkpoint", default=None,
-                        help="checkpoint dir, or 'true' for the latest one in output_dir (overrides the recipe)")
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        default=None,
+        help="checkpoint dir, or 'true' for the latest one in output_dir (overrides the recipe)",
+    )
     options = parser.parse_args(argv)
     trainer, resume = build_from_recipe(load_recipe(options.config))
     if options.resume_from_checkpoint is not None:

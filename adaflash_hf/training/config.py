@@ -89,7 +89,9 @@ class OPDConfig(DistillationConfig):
     )
     loss_chunk_size: int = field(
         default=1024,
-        metadata={"help": "Rows projected to the vocabulary at once in the loss; bounds memory for large vocabularies."},
+        metadata={
+            "help": "Rows projected to the vocabulary at once in the loss; bounds memory for large vocabularies."
+        },
     )
 
     # Adaptive length head (spec §6)

@@ -35,8 +35,13 @@ def measure_acceptance(
 ) -> AcceptanceStats:
     """Mean greedy acceptance length of ``drafter`` on ``target`` over ``prompts`` (token id lists), measured by
     generating with ``target.generate(..., assistant_model=drafter)`` (the whole block verified by default)."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
-                              eos_token_id=eos_token_id, adaflash_length_policy=length_policy)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        adaflash_length_policy=length_policy,
+    )
     with record_stats() as stats:
         generate_completions(target, prompts, config, pad_token_id, batch_size=batch_size, assistant_model=drafter)
     if not stats.verification_steps:

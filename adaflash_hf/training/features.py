@@ -66,7 +66,6 @@ def slot_targets(input_ids, features: TargetFeatures, layout: BlockLayout) -> tu
     return data_labels, hidden.gather(1, before)
 
 
-
 @torch.no_grad()
 def draft_top1(target, hidden: torch.Tensor, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """``(argmax [B, Q], top probability [B, Q])`` of the drafter's distributions, projected with the target's

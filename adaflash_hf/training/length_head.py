@@ -58,11 +58,16 @@ def init_length_head(
         order = torch.randperm(len(pairs), generator=generator).tolist()
         batches = range(0, len(order), config.batch_size)
         for start in tqdm(batches, desc="length head", leave=False):
-            batch = collate_sequences([pairs[i] for i in order[start : start + config.batch_size]], pad_token_id,
-                                      config.max_length)
+            batch = collate_sequences(
+                [pairs[i] for i in order[start : start + config.batch_size]], pad_token_id, config.max_length
+            )
             # Anchors are drawn on the CPU with the run's generator, then everything moves to the target's device.
-            layout = sample_anchors(_anchor_region(batch["attention_mask"], block_size), block_size,
-                                    config.num_anchors, generator=generator).to(device)
+            layout = sample_anchors(
+                _anchor_region(batch["attention_mask"], block_size),
+                block_size,
+                config.num_anchors,
+                generator=generator,
+            ).to(device)
             input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             features = target_features(target, input_ids, attention_mask, drafter.config.target_layer_ids)
             # The drafter is frozen, so this forward builds a graph for the head only (it reads detached states).
@@ -72,8 +77,13 @@ def init_length_head(
             # Labels ignore the loss mask (spec §6.2); slots past the sequence end count as misses.
             inside = block_supervised_mask(attention_mask, layout)
             matches = (draft_argmax == data_labels).view_as(inside) & inside
-            labels = length_head_labels(accepted_drafts(matches), block_size, config.lookahead,
-                                        drafter.config.length_head_direct_len, confidence.view_as(inside))
+            labels = length_head_labels(
+                accepted_drafts(matches),
+                block_size,
+                config.lookahead,
+                drafter.config.length_head_direct_len,
+                confidence.view_as(inside),
+            )
             loss, error = length_head_loss(output.length_prediction, labels, layout.keep, config.loss)
             loss.backward()
             optimizer.step()

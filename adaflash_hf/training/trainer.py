@@ -258,8 +258,9 @@ class OPDTrainer(DistillationTrainer):
             temperature=args.kl_temperature,
             chunk_size=args.loss_chunk_size,
         )
-        loss, parts = drafting_loss(stats, weights[supervised], args.loss_type, args.alpha, args.clip_tau,
-                                    args.clip_mode)
+        loss, parts = drafting_loss(
+            stats, weights[supervised], args.loss_type, args.alpha, args.clip_tau, args.clip_mode
+        )
 
         # Leading run of drafter-argmax == data token per block: on greedy target data, greedy acceptance there.
         matches = torch.zeros_like(supervised)
@@ -282,8 +283,9 @@ class OPDTrainer(DistillationTrainer):
                 config.length_head_direct_len,
                 confidence.view(*layout.anchors.shape, config.block_size),
             )
-            head_loss, head_error = length_head_loss(output.length_prediction, labels, layout.keep,
-                                                     args.length_head_loss)
+            head_loss, head_error = length_head_loss(
+                output.length_prediction, labels, layout.keep, args.length_head_loss
+            )
             metrics["length_head/mae"] = head_error
             if args.train_length_head:
                 loss = loss + head_loss
@@ -305,8 +307,10 @@ class OPDTrainer(DistillationTrainer):
         acceptance = self._last_metric("acceptance_length")
         fields = drafter_card_fields(
             self.drafter,
-            {"training_recipe": recipe, "acceptance": f"{acceptance:.2f} (teacher-forced, training data)"
-             if acceptance is not None else None},
+            {
+                "training_recipe": recipe,
+                "acceptance": f"{acceptance:.2f} (teacher-forced, training data)" if acceptance is not None else None,
+            },
         )
         card = render_model_card("drafter", repo_id=repo_id, **fields)
         os.makedirs(self.args.output_dir, exist_ok=True)
