@@ -58,3 +58,29 @@ def test_report_table_and_plots(tmp_path, word_tokenizer):
     paths = plot_records(records, tmp_path)
     assert [p.name for p in paths] == ["acceptance_per_domain.png", "throughput_vs_batch.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_step_timing_on_a_tiny_shape(capsys):
+    import json
+
+    from adaflash_hf.bench.step_timing import main
+
+    main(
+        [
+            "--shape",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1,2",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "18",
+        ]
+    )
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    assert all(r["steps"] == 17 and r["drafter_ms_per_step"] > 0 and r["target_ms_per_step"] > 0 for r in rows)
