@@ -55,11 +55,13 @@ def test_encode_dataset_handles_pairs_and_conversations(tokenizer):
 
 
 def test_rollout_store_writes_each_round_once(tmp_path):
-    store = RolloutStore(tmp_path)
+    store = RolloutStore(tmp_path, fingerprint="abc")
     first = store.load_or_generate(0, lambda: Dataset.from_dict({"completion_ids": [[1, 2]]}))
     again = store.load_or_generate(0, lambda: pytest.fail("round 0 regenerated"))
     assert first["completion_ids"] == again["completion_ids"] == [[1, 2]]
     assert [p.name for p in tmp_path.iterdir()] == ["round-00000"]  # no staging directory left behind
+    with pytest.raises(ValueError, match="other prompts or generation settings"):
+        RolloutStore(tmp_path, fingerprint="xyz").load_or_generate(0, lambda: pytest.fail("regenerated"))
 
 
 def test_train_main_runs_a_yaml_recipe(target, tokenizer, tmp_path):

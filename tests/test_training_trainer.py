@@ -208,8 +208,11 @@ def test_messages_prompts_use_the_chat_template_and_rollouts_are_cached(target, 
     trainer = _trainer(target, tokenizer, args, dataset=dataset)
     assert trainer.train_dataset[0]["prompt_ids"] == tokenizer(prompts(8)[0] + " ")["input_ids"]
     trainer.train()
-    cached = rollouts_module.RolloutStore(tmp_path / "rollouts").load_or_generate(0, lambda: None)
+    cached = trainer._rollout_store.load_or_generate(0, lambda: pytest.fail("round 0 regenerated"))
     assert len(cached) == 8 and len(cached[0]["completion_ids"]) == COMPLETION
+    other = Dataset.from_dict({"messages": [[{"role": "user", "content": p}] for p in prompts(8, seed=5)]})
+    with pytest.raises(ValueError, match="rollouts of other prompts or generation settings"):
+        _trainer(target, tokenizer, _args(tmp_path, max_steps=4), dataset=other).train()
 
 
 def test_evaluate_on_pairs_and_push_to_hub_uploads_the_hub_format_with_our_card(

@@ -9,6 +9,8 @@ generating again.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -139,11 +141,22 @@ def rollout_generation_config(args, tokenizer, eos_token_ids: list[int]) -> Gene
     return GenerationConfig(**kwargs)
 
 
-class RolloutStore:
-    """Rollout datasets by round under ``directory``; each round is written once, atomically."""
+def rollout_fingerprint(prompt_ids: list[list[int]], generation_config: GenerationConfig) -> str:
+    """Identifies what a rollout round answers: the prompts and the generation settings."""
+    digest = hashlib.sha256(json.dumps([list(ids) for ids in prompt_ids]).encode())
+    digest.update(generation_config.to_json_string(use_diff=True).encode())
+    return digest.hexdigest()
 
-    def __init__(self, directory: str | os.PathLike):
+
+class RolloutStore:
+    """Rollout datasets by round under ``directory``; each round is written once, atomically, with the fingerprint
+    of the prompts and settings it answers, so a resumed run never trains on rollouts of another dataset."""
+
+    FINGERPRINT = "fingerprint.txt"
+
+    def __init__(self, directory: str | os.PathLike, fingerprint: str):
         self.directory = Path(directory)
+        self.fingerprint = fingerprint
 
     def path(self, round_index: int) -> Path:
         return self.directory / f"round-{round_index:05d}"
@@ -152,11 +165,18 @@ class RolloutStore:
         """Loads round ``round_index`` if it was written before, else writes ``generate()`` (a `Dataset`) there."""
         final = self.path(round_index)
         if final.exists():
+            stored = (final / self.FINGERPRINT).read_text().strip() if (final / self.FINGERPRINT).exists() else None
+            if stored != self.fingerprint:
+                raise ValueError(
+                    f"{final} holds rollouts of other prompts or generation settings than this run's. Delete "
+                    f"{self.directory}, or point rollout_dir elsewhere, to generate them anew."
+                )
             return load_from_disk(str(final))
         self.directory.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=self.directory))
         try:
             generate().save_to_disk(str(staging))
+            (staging / self.FINGERPRINT).write_text(self.fingerprint + "\n")
             os.replace(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -32,6 +32,7 @@ from .rollouts import (
     encode_dataset,
     generate_completions,
     is_offline,
+    rollout_fingerprint,
     rollout_generation_config,
 )
 
@@ -86,8 +87,11 @@ class OPDTrainer(DistillationTrainer):
             peft_config=peft_config,
         )
         self._check_length_head_trainable()
-        self._rollout_store = RolloutStore(args.rollout_dir or Path(args.output_dir) / "rollouts")
         self._rollout_generation_config = rollout_generation_config(args, self._tokenizer, self.eos_token_ids)
+        self._rollout_store = RolloutStore(
+            args.rollout_dir or Path(args.output_dir) / "rollouts",
+            rollout_fingerprint(self.train_dataset["prompt_ids"], self._rollout_generation_config),
+        )
         self._rollouts = None
         self._rollout_round = None
 
