@@ -97,13 +97,18 @@ def build_drafter(
     out_dir: Path,
     seed: int,
     work_dir: Path,
+    rollout_dir: Path | None = None,
 ) -> dict:
-    """Distils the drafter, saves it (bf16 safetensors) to ``out_dir`` and returns its report entry."""
+    """Distils the drafter, saves it (bf16 safetensors) to ``out_dir`` and returns its report entry.
+
+    ``rollout_dir`` lets several runs share the target's rollouts (they are fingerprinted by prompts and settings).
+    """
     torch.manual_seed(seed)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     drafter = AdaFlashDrafter(drafter_config(target, tokenizer, config))
     args = OPDConfig(
         output_dir=str(work_dir),
+        rollout_dir=str(rollout_dir) if rollout_dir else None,
         loss_type=config.loss_type,
         block_size=config.block_size,
         num_anchors=config.num_anchors,
