@@ -124,7 +124,7 @@ def test_prompt_files_come_from_heldout_documents(worlds):
         assert len(rows) == 3
         for row in rows:
             assert row["domain"] == domain and row["doc_id"] in heldout
-            assert heldout[row["doc_id"]].startswith(row["prompt"][:20])
+            assert heldout[row["doc_id"]][row["char_offset"] :].startswith(row["prompt"][:20])
             assert PROMPT_TOKENS - 4 <= len(tokenizer(row["prompt"])["input_ids"]) <= PROMPT_TOKENS + 4
 
 

@@ -45,7 +45,10 @@ def load_world_model(
 
 
 def load_prompts(domain: str | None = None, data_dir: Path = WORLD_DATA_DIR) -> list[dict]:
-    """Held-out prompt rows (``domain``, ``doc_id``, ``prompt``, ``prompt_tokens``), of one domain or all."""
+    """Held-out prompt rows (``domain``, ``doc_id``, ``char_offset``, ``prompt``, ``prompt_tokens``).
+
+    ``domain=None`` returns every shipped domain.
+    """
     prompts_dir = world_artifact("prompts", data_dir)
     paths = [prompts_dir / f"{domain}.jsonl"] if domain else sorted(prompts_dir.glob("*.jsonl"))
     missing = [path for path in paths if not path.exists()]
