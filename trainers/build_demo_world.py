@@ -1,13 +1,16 @@
 """Builds the offline demo world: corpus, tokenizer, held-out prompts, target and AR draft model.
 
-Regenerate the shipped artifacts (about 20 minutes on 2 cores, deterministic given the seed; the target's
-step count depends on the machine's speed unless --target-steps fixes it):
+Regenerate the shipped artifacts (about 15 minutes on 2 cores):
 
     HF_HUB_OFFLINE=1 python trainers/build_demo_world.py --out build/demo_world \
         --stages corpus,tokenizer,prompts,target,ar_draft,ship
 
 `ship` copies target/, ar_draft/, tokenizer/, prompts/ and report.json into adaflash_hf/world/data.
-Smoke build (1-2 minutes, toy sizes, never shipped by default): add --quick.
+Smoke build (1-2 minutes, toy sizes; `ship` is never a default stage): add --quick.
+
+Corpus, tokenizer and prompts are identical for a seed. The two models train for a wall-clock budget, so on a
+busier or faster machine they take fewer or more steps and come out comparable, not identical; pass the step
+counts of a report (--target-steps, --ar-draft-steps) to reproduce those models exactly.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="Exact target steps, overriding --target-minutes (reproduces a report's run).",
     )
+    parser.add_argument(
+        "--ar-draft-steps", type=int, default=None, help="Exact AR draft steps (reproduces a report's run)."
+    )
     parser.add_argument("--quick", action="store_true", help="Toy sizes for a 1-2 minute smoke build.")
     parser.add_argument("--ship-dir", type=Path, default=WORLD_DATA_DIR, help="Where the `ship` stage copies to.")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads.")
@@ -50,6 +56,7 @@ def main() -> None:
     if args.target_minutes is not None:
         config.target.training.minutes = args.target_minutes
     config.target.training.max_steps = args.target_steps
+    config.ar_draft.training.max_steps = args.ar_draft_steps
     stages = tuple(stage.strip() for stage in args.stages.split(",") if stage.strip())
     report = build_world(config, args.out, stages, ship_dir=args.ship_dir)
     print(json.dumps(report.get("stages", {}), indent=2))
