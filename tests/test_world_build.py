@@ -12,6 +12,7 @@ from adaflash_hf.world import (
     CausalLMShape,
     CorpusConfig,
     CorpusError,
+    EvaluationConfig,
     LMTrainingConfig,
     PromptConfig,
     TargetConfig,
@@ -20,6 +21,8 @@ from adaflash_hf.world import (
     WorldLayout,
     build_corpus,
     build_world,
+    evaluate_heldout,
+    heldout_windows,
     is_heldout,
     load_documents,
     load_prompts,
@@ -27,6 +30,7 @@ from adaflash_hf.world import (
     load_world_tokenizer,
 )
 from adaflash_hf.world.lm_training import learning_rate_at
+from adaflash_hf.world.packing import load_streams
 
 TINY_SHAPE = CausalLMShape(
     hidden_size=32,
@@ -41,7 +45,7 @@ PROMPT_TOKENS = 32
 
 
 def tiny_world(seed: int) -> WorldConfig:
-    training = dict(batch_size=4, seq_len=32, warmup_steps=2, eval_windows=2)
+    training = dict(batch_size=4, seq_len=32, warmup_steps=2)
     return WorldConfig(
         seed=seed,
         corpus=CorpusConfig(
@@ -58,6 +62,7 @@ def tiny_world(seed: int) -> WorldConfig:
             shape=CausalLMShape(**{**TINY_SHAPE.__dict__, "num_hidden_layers": 1}),
             training=LMTrainingConfig(max_steps=3, **training),
         ),
+        evaluation=EvaluationConfig(seq_len=32, windows_per_domain=2, batch_size=2),
     )
 
 
@@ -140,6 +145,24 @@ def test_saved_world_reloads_offline_and_generates(worlds):
         inputs = tokenizer("def main():", return_tensors="pt")
         out = model.generate(**inputs, max_new_tokens=5, do_sample=False, min_new_tokens=5)
         assert out.shape[1] == inputs["input_ids"].shape[1] + 5
+
+
+def test_evaluation_windows_span_the_heldout_stream_and_agreement_is_exact(worlds):
+    layout, report = worlds["first"]
+    stream = load_streams(layout.tokens, "heldout")["math"]
+    windows = heldout_windows(stream, seq_len=16, max_windows=5)
+    assert windows.shape == (5, 17)
+    assert windows[0].tolist() == stream[:17].tolist() and windows[-1].tolist() == stream[-17:].tolist()
+    target = AutoModelForCausalLM.from_pretrained(str(layout.target), dtype=torch.float32)
+    config = tiny_world(0).evaluation
+    metrics = evaluate_heldout(target, {"math": windows}, config, reference=target)["math"]
+    assert metrics["target_agreement"] == 1.0
+    assert (
+        report["stages"]["evaluate"]["target"]["math"]
+        == evaluate_heldout(
+            target, {"math": heldout_windows(stream, config.seq_len, config.windows_per_domain)}, config
+        )["math"]
+    )
 
 
 def test_ship_stage_copies_loadable_artifacts(worlds):

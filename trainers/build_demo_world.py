@@ -3,7 +3,7 @@
 Regenerate the shipped artifacts (about 15 minutes on 2 cores):
 
     HF_HUB_OFFLINE=1 python trainers/build_demo_world.py --out build/demo_world \
-        --stages corpus,tokenizer,prompts,target,ar_draft,ship
+        --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,ship
 
 `ship` copies target/, ar_draft/, tokenizer/, prompts/ and report.json into adaflash_hf/world/data.
 Smoke build (1-2 minutes, toy sizes; `ship` is never a default stage): add --quick.

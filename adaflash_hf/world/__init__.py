@@ -14,9 +14,10 @@ from .artifacts import (
     world_artifact,
 )
 from .build import DEFAULT_STAGES, STAGES, WorldConfig, WorldLayout, build_world, ship_world
-from .causal_lm import CausalLMShape, build_causal_lm, count_parameters, save_causal_lm
+from .causal_lm import CausalLMShape, build_causal_lm, count_parameters, load_saved_causal_lm, save_causal_lm
 from .corpus import DOMAINS, CorpusConfig, CorpusError, Document, build_corpus, is_heldout, load_documents
-from .lm_training import LMTrainingConfig, TrainingResult, evaluate_heldout, train_causal_lm
+from .evaluation import EvaluationConfig, evaluate_heldout, evaluate_world, heldout_windows
+from .lm_training import LMTrainingConfig, TrainingResult, train_causal_lm
 from .prompts import PromptConfig, build_prompts
 from .target import TargetConfig, build_target
 from .tokenizer import MASK_TOKEN, TokenizerConfig, load_tokenizer, train_tokenizer
@@ -31,6 +32,9 @@ __all__ = [
     "CausalLMShape",
     "CorpusConfig",
     "CorpusError",
+    "EvaluationConfig",
+    "evaluate_world",
+    "heldout_windows",
     "Document",
     "LMTrainingConfig",
     "PromptConfig",
@@ -50,6 +54,7 @@ __all__ = [
     "is_heldout",
     "load_documents",
     "load_prompts",
+    "load_saved_causal_lm",
     "load_tokenizer",
     "load_world_model",
     "load_world_tokenizer",

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from .causal_lm import CausalLMShape, build_causal_lm, count_parameters, save_causal_lm
+from .causal_lm import CausalLMShape, build_causal_lm, count_parameters, load_saved_causal_lm, save_causal_lm
 from .files import atomic_directory
 from .lm_training import LMTrainingConfig, train_world_lm, training_summary
 
@@ -44,18 +43,10 @@ def build_ar_draft(
     out_dir: Path,
     seed: int,
 ) -> dict:
-    """Trains the draft (distilled from the saved target when configured), saves it and returns its report entry.
-
-    The held-out metrics include ``target_agreement``, the draft's greedy match rate with the target.
-    """
-    if not (Path(target_dir) / "config.json").exists():
-        raise FileNotFoundError(f"No target in {target_dir}: run the `target` stage before `ar_draft`.")
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    """Trains the draft (distilled from the saved target when configured), saves it and returns its report entry."""
+    teacher = load_saved_causal_lm(target_dir, "target") if config.distill_from_target else None
     model = build_causal_lm(config.shape, tokenizer, seed)
-    teacher = target if config.distill_from_target else None
-    result, heldout = train_world_lm(
-        model, config.training, tokens_dir, seed, desc="ar_draft", teacher=teacher, reference=target
-    )
+    result = train_world_lm(model, config.training, tokens_dir, seed, desc="ar_draft", teacher=teacher)
     with atomic_directory(out_dir) as staging:
         save_causal_lm(model, staging)
     return {
@@ -63,5 +54,4 @@ def build_ar_draft(
         "shape": asdict(config.shape),
         "distilled": config.distill_from_target,
         "training": training_summary(result),
-        "heldout": heldout,
     }

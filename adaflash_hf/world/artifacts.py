@@ -16,7 +16,9 @@ from .tokenizer import load_tokenizer
 
 WORLD_DATA_DIR = Path(__file__).parent / "data"
 SHIPPED_ARTIFACTS = ("target", "ar_draft", "tokenizer", "prompts", "report.json")
-REGENERATE_COMMAND = "python trainers/build_demo_world.py --stages corpus,tokenizer,prompts,target,ar_draft,ship"
+REGENERATE_COMMAND = (
+    "python trainers/build_demo_world.py --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,ship"
+)
 
 
 def world_artifact(name: str, data_dir: Path = WORLD_DATA_DIR) -> Path:

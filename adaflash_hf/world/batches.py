@@ -1,4 +1,4 @@
-"""Training batches balanced across domains, and fixed held-out evaluation windows."""
+"""Training batches balanced across domains."""
 
 from __future__ import annotations
 
@@ -40,16 +40,3 @@ class BalancedBatchSampler:
                 np.asarray(stream[start : start + self.seq_len + 1], dtype=np.int64) for start in starts.tolist()
             )
         return torch.from_numpy(np.stack(rows))
-
-
-def heldout_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> torch.Tensor:
-    """The first ``max_windows`` non-overlapping ``seq_len + 1`` windows: the same tokens for every model scored."""
-    count = min(max_windows, (stream.size - 1) // seq_len)
-    if count < 1:
-        raise ValueError(f"A held-out stream of {stream.size} tokens is too short for one window of {seq_len + 1}.")
-    return torch.stack(
-        [
-            torch.from_numpy(np.asarray(stream[i * seq_len : (i + 1) * seq_len + 1], dtype=np.int64))
-            for i in range(count)
-        ]
-    )

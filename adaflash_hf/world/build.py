@@ -17,6 +17,7 @@ from .ar_draft import ArDraftConfig, build_ar_draft
 from .artifacts import SHIPPED_ARTIFACTS, WORLD_DATA_DIR
 from .causal_lm import CausalLMShape
 from .corpus import DOMAINS, CorpusConfig, build_corpus, load_documents
+from .evaluation import EvaluationConfig, evaluate_world
 from .files import atomic_directory, write_jsonl
 from .lm_training import LMTrainingConfig
 from .packing import pack_corpus
@@ -24,7 +25,7 @@ from .prompts import PromptConfig, build_prompts
 from .target import TargetConfig, build_target
 from .tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
-STAGES = ("corpus", "tokenizer", "prompts", "target", "ar_draft", "ship")
+STAGES = ("corpus", "tokenizer", "prompts", "target", "ar_draft", "evaluate", "ship")
 DEFAULT_STAGES = STAGES[:-1]
 
 
@@ -38,11 +39,12 @@ class WorldConfig:
     prompts: PromptConfig = field(default_factory=PromptConfig, metadata={"help": "Held-out prompt files."})
     target: TargetConfig = field(default_factory=TargetConfig, metadata={"help": "The target LM."})
     ar_draft: ArDraftConfig = field(default_factory=ArDraftConfig, metadata={"help": "The AR draft model."})
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig, metadata={"help": "Held-out scoring."})
 
     @classmethod
     def quick(cls, seed: int = 0) -> WorldConfig:
         """A smoke build of one to two minutes: the same pipeline at toy sizes (the models learn little)."""
-        small_training = dict(batch_size=16, seq_len=128, warmup_steps=20, eval_windows=8)
+        small_training = dict(batch_size=16, seq_len=128, warmup_steps=20)
         return cls(
             seed=seed,
             corpus=CorpusConfig(max_chars_per_domain=400_000, max_chars_per_file=40_000),
@@ -56,6 +58,7 @@ class WorldConfig:
                 shape=CausalLMShape(hidden_size=128, num_hidden_layers=1, head_dim=32, intermediate_size=512),
                 training=LMTrainingConfig(minutes=0.25, **small_training),
             ),
+            evaluation=EvaluationConfig(seq_len=128, windows_per_domain=8),
         )
 
 
@@ -111,6 +114,7 @@ def build_world(
         "prompts": _prompts_stage,
         "target": _target_stage,
         "ar_draft": _ar_draft_stage,
+        "evaluate": _evaluate_stage,
     }
     for stage in (name for name in STAGES if name in stages):
         if stage == "ship":
@@ -169,6 +173,10 @@ def _ar_draft_stage(config: WorldConfig, layout: WorldLayout) -> dict:
     return build_ar_draft(
         config.ar_draft, load_tokenizer(layout.tokenizer), layout.tokens, layout.target, layout.ar_draft, config.seed
     )
+
+
+def _evaluate_stage(config: WorldConfig, layout: WorldLayout) -> dict:
+    return evaluate_world(layout.tokens, layout.target, layout.ar_draft, config.evaluation)
 
 
 def ship_world(layout: WorldLayout, ship_dir: Path) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 
 @dataclass
@@ -68,3 +68,10 @@ def save_causal_lm(model: Qwen3ForCausalLM, out_dir: Path) -> None:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
     model.to(torch.bfloat16).save_pretrained(str(out_dir))
+
+
+def load_saved_causal_lm(directory: Path, stage: str) -> torch.nn.Module:
+    """A model saved by an earlier stage, in fp32 for training or scoring under autocast, or a clear error."""
+    if not (Path(directory) / "config.json").exists():
+        raise FileNotFoundError(f"No model in {directory}: run the `{stage}` stage first.")
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()

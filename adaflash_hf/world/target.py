@@ -35,12 +35,11 @@ def build_target(
 ) -> dict:
     """Trains the target, saves it (bf16 safetensors) to ``out_dir`` and returns its report entry."""
     model = build_causal_lm(config.shape, tokenizer, seed)
-    result, heldout = train_world_lm(model, config.training, tokens_dir, seed, desc="target")
+    result = train_world_lm(model, config.training, tokens_dir, seed, desc="target")
     with atomic_directory(out_dir) as staging:
         save_causal_lm(model, staging)
     return {
         "parameters": count_parameters(model),
         "shape": asdict(config.shape),
         "training": training_summary(result),
-        "heldout": heldout,
     }
