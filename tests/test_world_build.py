@@ -147,6 +147,19 @@ def test_saved_world_reloads_offline_and_generates(worlds):
         assert out.shape[1] == inputs["input_ids"].shape[1] + 5
 
 
+def test_ar_draft_works_as_a_transformers_assistant(worlds):
+    """The bench's classic baseline: greedy assisted generation with the AR draft equals plain greedy (fp32)."""
+    layout, _ = worlds["first"]
+    tokenizer = AutoTokenizer.from_pretrained(str(layout.tokenizer))
+    target = AutoModelForCausalLM.from_pretrained(str(layout.target), dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_pretrained(str(layout.ar_draft), dtype=torch.float32)
+    inputs = tokenizer("Question: Ava has 12 apples.", return_tensors="pt")
+    settings = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    plain = target.generate(**inputs, **settings)
+    assisted = target.generate(**inputs, assistant_model=draft, **settings)
+    assert assisted.tolist() == plain.tolist()
+
+
 def test_evaluation_windows_span_the_heldout_stream_and_agreement_is_exact(worlds):
     layout, report = worlds["first"]
     stream = load_streams(layout.tokens, "heldout")["math"]
