@@ -130,7 +130,8 @@ def test_prompt_files_come_from_heldout_documents(worlds):
         for row in rows:
             assert row["domain"] == domain and row["doc_id"] in heldout
             assert heldout[row["doc_id"]][row["char_offset"] :].startswith(row["prompt"][:20])
-            assert PROMPT_TOKENS - 4 <= len(tokenizer(row["prompt"])["input_ids"]) <= PROMPT_TOKENS + 4
+            assert len(tokenizer(row["prompt"])["input_ids"]) == row["prompt_tokens"]
+            assert PROMPT_TOKENS - 4 <= row["prompt_tokens"] <= PROMPT_TOKENS
 
 
 def test_saved_world_reloads_offline_and_generates(worlds):
@@ -213,3 +214,15 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert learning_rate_at(3, 0.0, config) == pytest.approx(1.0)
     assert learning_rate_at(100, 0.5, config) == pytest.approx(0.55)
     assert learning_rate_at(200, 1.0, config) == pytest.approx(0.1)
+
+
+def test_shipped_world_is_complete_and_consistent():
+    """The artifacts in adaflash_hf/world/data load offline and agree on the tokenizer."""
+    tokenizer = load_world_tokenizer()
+    target, draft = load_world_model("target"), load_world_model("ar_draft")
+    assert target.config.vocab_size == draft.config.vocab_size == len(tokenizer) == 8192
+    assert tokenizer.mask_token_id == 1
+    for domain in DOMAINS:
+        rows = load_prompts(domain)
+        assert len(rows) == 32
+        assert all(len(tokenizer(row["prompt"])["input_ids"]) == row["prompt_tokens"] for row in rows)

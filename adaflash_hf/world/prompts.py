@@ -66,10 +66,12 @@ def _prompt_row(
     # A byte-level cut can split a multi-byte character; drop the partial character so the text re-encodes cleanly.
     while tokenizer.decode(ids).endswith("\ufffd"):
         ids = ids[:-1]
+    prompt = tokenizer.decode(ids)
     return {
         "domain": domain,
         "doc_id": heldout[start[0]].doc_id,
         "char_offset": char_offset,
-        "prompt": tokenizer.decode(ids),
-        "prompt_tokens": len(ids),
+        "prompt": prompt,
+        # Re-encoding the text can merge differently at the cut; count what a user of the file will get.
+        "prompt_tokens": len(tokenizer.encode(prompt, add_special_tokens=False)),
     }
