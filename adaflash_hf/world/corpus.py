@@ -42,6 +42,9 @@ class CorpusError(RuntimeError):
 
 @dataclass(frozen=True)
 class Document:
+    """One unit of a domain. ``doc_id`` names its source (path, chunk, page), so it is stable across builds and
+    decides the held-out split."""
+
     doc_id: str
     text: str
 
@@ -169,7 +172,7 @@ def read_text_file(path: Path, max_chars: int) -> str | None:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as handle:
-            raw = handle.read(4 * max_chars)
+            raw = handle.read(4 * max_chars)  # UTF-8 needs at most 4 bytes per character
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError, EOFError):
         return None

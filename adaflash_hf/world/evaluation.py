@@ -35,7 +35,10 @@ class EvaluationConfig:
 
 
 def heldout_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> torch.Tensor:
-    """Up to ``max_windows`` non-overlapping ``seq_len + 1`` windows at evenly spaced offsets of the stream."""
+    """Up to ``max_windows`` windows of ``seq_len + 1`` tokens at evenly spaced offsets of the stream.
+
+    Offsets are at least ``seq_len`` apart before rounding, so neighbouring windows share at most a token or two.
+    """
     count = min(max_windows, (stream.size - 1) // seq_len)
     if count < 1:
         raise ValueError(f"A held-out stream of {stream.size} tokens is too short for one window of {seq_len + 1}.")
