@@ -1,0 +1,62 @@
+"""The world artifacts shipped inside the package: target, AR draft, tokenizer and held-out prompts.
+
+They live in ``adaflash_hf/world/data`` and are regenerated with ``trainers/build_demo_world.py`` (its
+``ship`` stage copies a build there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from .files import read_jsonl
+from .tokenizer import load_tokenizer
+
+WORLD_DATA_DIR = Path(__file__).parent / "data"
+SHIPPED_ARTIFACTS = ("target", "ar_draft", "tokenizer", "prompts", "report.json")
+REGENERATE_COMMAND = (
+    "python trainers/build_demo_world.py --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,ship"
+)
+
+
+def world_artifact(name: str, data_dir: Path = WORLD_DATA_DIR) -> Path:
+    """Path of one shipped artifact, or one clear error saying how to rebuild it."""
+    path = Path(data_dir) / name
+    if not path.exists():
+        raise FileNotFoundError(f"The demo-world artifact {path} is missing. Rebuild it with `{REGENERATE_COMMAND}`.")
+    return path
+
+
+def load_world_tokenizer(data_dir: Path = WORLD_DATA_DIR) -> PreTrainedTokenizerFast:
+    return load_tokenizer(world_artifact("tokenizer", data_dir))
+
+
+def load_world_model(
+    name: str, dtype: torch.dtype = torch.float32, data_dir: Path = WORLD_DATA_DIR
+) -> PreTrainedModel:
+    """The ``"target"`` or ``"ar_draft"`` model in eval mode.
+
+    fp32 is the default because bf16 1-token and multi-token forwards are not bit-identical, which breaks
+    lossless (token-identical) comparisons; pass ``torch.bfloat16`` for speed measurements.
+    """
+    if name not in ("target", "ar_draft"):
+        raise ValueError(f"Unknown world model {name!r}; expected 'target' or 'ar_draft'.")
+    return AutoModelForCausalLM.from_pretrained(str(world_artifact(name, data_dir)), dtype=dtype).eval()
+
+
+def load_prompts(domain: str | None = None, data_dir: Path = WORLD_DATA_DIR) -> list[dict]:
+    """Held-out prompt rows (``domain``, ``doc_id``, ``char_offset``, ``prompt``, ``prompt_tokens``).
+
+    ``domain=None`` returns every shipped domain.
+    """
+    prompts_dir = world_artifact("prompts", data_dir)
+    paths = [prompts_dir / f"{domain}.jsonl"] if domain else sorted(prompts_dir.glob("*.jsonl"))
+    missing = [path for path in paths if not path.exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"No prompt file {missing[0]}; the shipped domains are "
+            f"{sorted(p.stem for p in prompts_dir.glob('*.jsonl'))}."
+        )
+    return [row for path in paths for row in read_jsonl(path)]

@@ -1,0 +1,66 @@
+"""Builds the offline demo world: corpus, tokenizer, held-out prompts, target and AR draft model.
+
+Regenerate the shipped artifacts (about 15 minutes on 2 cores):
+
+    HF_HUB_OFFLINE=1 python trainers/build_demo_world.py --out build/demo_world \
+        --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,ship
+
+`ship` copies target/, ar_draft/, tokenizer/, prompts/ and report.json into adaflash_hf/world/data.
+Smoke build (1-2 minutes, toy sizes; `ship` is never a default stage): add --quick.
+
+Corpus, tokenizer and prompts are identical for a seed. The two models train for a wall-clock budget, so on a
+busier or faster machine they take fewer or more steps and come out comparable, not identical; pass the step
+counts of a report (--target-steps, --ar-draft-steps) to reproduce those models exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from adaflash_hf.world import DEFAULT_STAGES, STAGES, WORLD_DATA_DIR, WorldConfig, build_world
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--stages",
+        default=",".join(DEFAULT_STAGES),
+        help=f"Comma-separated stages, run in pipeline order; any of {','.join(STAGES)}.",
+    )
+    parser.add_argument("--out", type=Path, default=Path("build/demo_world"), help="Build directory.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of every random choice.")
+    parser.add_argument("--target-minutes", type=float, default=None, help="Target training budget (default 10).")
+    parser.add_argument(
+        "--target-steps",
+        type=int,
+        default=None,
+        help="Exact target steps, overriding --target-minutes (reproduces a report's run).",
+    )
+    parser.add_argument(
+        "--ar-draft-steps", type=int, default=None, help="Exact AR draft steps (reproduces a report's run)."
+    )
+    parser.add_argument("--quick", action="store_true", help="Toy sizes for a 1-2 minute smoke build.")
+    parser.add_argument("--ship-dir", type=Path, default=WORLD_DATA_DIR, help="Where the `ship` stage copies to.")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads.")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    config = WorldConfig.quick(args.seed) if args.quick else WorldConfig(seed=args.seed)
+    if args.target_minutes is not None:
+        config.target.training.minutes = args.target_minutes
+    config.target.training.max_steps = args.target_steps
+    config.ar_draft.training.max_steps = args.ar_draft_steps
+    stages = tuple(stage.strip() for stage in args.stages.split(",") if stage.strip())
+    report = build_world(config, args.out, stages, ship_dir=args.ship_dir)
+    print(json.dumps(report.get("stages", {}), indent=2))
+
+
+if __name__ == "__main__":
+    main()
