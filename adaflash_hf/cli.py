@@ -25,7 +25,7 @@ def _add_model_args(parser):
     parser.add_argument("--tokenizer", help="tokenizer id or path (default: the target's, or the demo world's)")
     parser.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default 128; 64 with --quick)")
 
 
 def _cuda() -> bool:
@@ -109,7 +109,7 @@ def demo(args) -> int:
             with adaflash_hf.record_stats() as stats:
                 for text in texts:
                     inputs = tokenizer(text, return_tensors="pt").to(target.device)
-                    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+                    kwargs = dict(max_new_tokens=args.max_new_tokens or 128, do_sample=False)
                     start = time.perf_counter()
                     plain = target.generate(**inputs, **kwargs)
                     middle = time.perf_counter()
@@ -148,8 +148,11 @@ def bench(args) -> int:
     from adaflash_hf.bench.report import markdown_table, plot_records
 
     target, tokenizer, drafter, ar_draft, prompts = load_models(args)
-    if args.quick:
-        args.batch_sizes, args.prompts_per_domain, args.max_new_tokens = "1,8", min(args.prompts_per_domain, 8), 64
+    quick = {"batch_sizes": "1,8", "prompts_per_domain": 8, "max_new_tokens": 64}
+    full = {"batch_sizes": "1,8,32", "prompts_per_domain": 32, "max_new_tokens": 128}
+    for name, default in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     chosen = {d: texts[: args.prompts_per_domain] for d, texts in prompts.items()}
     steps = sum(len(t) // b for t in chosen.values() for b in batch_sizes) * args.repeats
@@ -194,10 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser("bench", help="all methods side by side")
     _add_model_args(bench_parser)
     bench_parser.add_argument("--methods", help="comma-separated subset of the methods")
-    bench_parser.add_argument("--batch-sizes", default="1,8,32")
-    bench_parser.add_argument("--prompts-per-domain", type=int, default=32)
+    bench_parser.add_argument("--batch-sizes", help="comma-separated (default 1,8,32; 1,8 with --quick)")
+    bench_parser.add_argument("--prompts-per-domain", type=int, help="default 32; 8 with --quick")
     bench_parser.add_argument("--repeats", type=int, default=1)
-    bench_parser.add_argument("--quick", action="store_true", help="reduced set: batch 1 and 8, 8 prompts, 64 tokens")
+    bench_parser.add_argument(
+        "--quick", action="store_true", help="reduced defaults: batch 1 and 8, 8 prompts, 64 tokens"
+    )
     bench_parser.add_argument("--json", help="write the records here")
     bench_parser.add_argument("--markdown", help="write the table here")
     bench_parser.add_argument("--plots", help="write PNG plots into this folder")

@@ -6,12 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.world import (
     DOMAINS,
     ArDraftConfig,
     CausalLMShape,
     CorpusConfig,
     CorpusError,
+    DrafterConfig,
     EvaluationConfig,
     LMTrainingConfig,
     PromptConfig,
@@ -28,6 +30,7 @@ from adaflash_hf.world import (
     load_prompts,
     load_world_model,
     load_world_tokenizer,
+    world_artifact,
 )
 from adaflash_hf.world.lm_training import learning_rate_at
 from adaflash_hf.world.packing import load_streams
@@ -63,6 +66,18 @@ def tiny_world(seed: int) -> WorldConfig:
             training=LMTrainingConfig(max_steps=3, **training),
         ),
         evaluation=EvaluationConfig(seq_len=32, windows_per_domain=2, batch_size=2),
+        drafter=DrafterConfig(
+            block_size=4,
+            target_layer_ids=[0, 1],
+            length_head_bottleneck_dim=8,
+            prompts_per_domain=2,
+            prompt_tokens=16,
+            completion_tokens=8,
+            batch_size=2,
+            num_anchors=2,
+            max_steps=2,
+            eval_new_tokens=8,
+        ),
     )
 
 
@@ -185,6 +200,9 @@ def test_ship_stage_copies_loadable_artifacts(worlds):
     shipped = layout.root / "shipped"
     assert load_world_tokenizer(shipped).mask_token_id == 1
     assert load_world_model("ar_draft", data_dir=shipped).config.num_hidden_layers == 1
+    drafter = AdaFlashDrafter.from_pretrained(shipped / "drafter")
+    assert drafter.config.use_length_head and drafter.config.mask_token_id == 1
+    assert set(report["stages"]["drafter"]["heldout"]) == set(DOMAINS)
     assert {row["domain"] for row in load_prompts(data_dir=shipped)} == set(DOMAINS)
     assert json.loads((shipped / "report.json").read_text())["stages"]["target"] == report["stages"]["target"]
 
@@ -222,6 +240,9 @@ def test_shipped_world_is_complete_and_consistent():
     target, draft = load_world_model("target"), load_world_model("ar_draft")
     assert target.config.vocab_size == draft.config.vocab_size == len(tokenizer) == 8192
     assert tokenizer.mask_token_id == 1
+    drafter = AdaFlashDrafter.from_pretrained(world_artifact("drafter"))
+    drafter.check_compatible(target)
+    assert drafter.config.mask_token_id == tokenizer.mask_token_id and drafter.config.length_policy == "adaptive"
     for domain in DOMAINS:
         rows = load_prompts(domain)
         assert len(rows) == 32

@@ -1,16 +1,16 @@
-"""Builds the offline demo world: corpus, tokenizer, held-out prompts, target and AR draft model.
+"""Builds the offline demo world: corpus, tokenizer, held-out prompts, target, AR draft model and AdaFlash drafter.
 
-Regenerate the shipped artifacts (about 15 minutes on 2 cores):
+Regenerate the shipped artifacts (about 30 minutes on 2 cores):
 
     HF_HUB_OFFLINE=1 python trainers/build_demo_world.py --out build/demo_world \
-        --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,ship
+        --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,drafter,ship
 
-`ship` copies target/, ar_draft/, tokenizer/, prompts/ and report.json into adaflash_hf/world/data.
+`ship` copies target/, ar_draft/, drafter/, tokenizer/, prompts/ and report.json into adaflash_hf/world/data.
 Smoke build (1-2 minutes, toy sizes; `ship` is never a default stage): add --quick.
 
-Corpus, tokenizer and prompts are identical for a seed. The two models train for a wall-clock budget, so on a
+Corpus, tokenizer and prompts are identical for a seed. The models train for a wall-clock budget, so on a
 busier or faster machine they take fewer or more steps and come out comparable, not identical; pass the step
-counts of a report (--target-steps, --ar-draft-steps) to reproduce those models exactly.
+counts of a report (--target-steps, --ar-draft-steps, --drafter-steps) to reproduce those models.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--ar-draft-steps", type=int, default=None, help="Exact AR draft steps (reproduces a report's run)."
     )
+    parser.add_argument(
+        "--drafter-steps", type=int, default=None, help="Exact drafter steps (reproduces a report's run)."
+    )
+    parser.add_argument("--drafter-minutes", type=float, default=None, help="Drafter training budget (default 10).")
     parser.add_argument("--quick", action="store_true", help="Toy sizes for a 1-2 minute smoke build.")
     parser.add_argument("--ship-dir", type=Path, default=WORLD_DATA_DIR, help="Where the `ship` stage copies to.")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads.")
@@ -57,6 +61,9 @@ def main() -> None:
         config.target.training.minutes = args.target_minutes
     config.target.training.max_steps = args.target_steps
     config.ar_draft.training.max_steps = args.ar_draft_steps
+    config.drafter.max_steps = args.drafter_steps or config.drafter.max_steps
+    if args.drafter_minutes is not None:
+        config.drafter.minutes = args.drafter_minutes
     stages = tuple(stage.strip() for stage in args.stages.split(",") if stage.strip())
     report = build_world(config, args.out, stages, ship_dir=args.ship_dir)
     print(json.dumps(report.get("stages", {}), indent=2))

@@ -16,6 +16,7 @@ from .artifacts import (
 from .build import DEFAULT_STAGES, STAGES, WorldConfig, WorldLayout, build_world, ship_world
 from .causal_lm import CausalLMShape, build_causal_lm, count_parameters, load_saved_causal_lm, save_causal_lm
 from .corpus import DOMAINS, CorpusConfig, CorpusError, Document, build_corpus, is_heldout, load_documents
+from .drafter import DrafterConfig, build_drafter
 from .evaluation import EvaluationConfig, evaluate_heldout, evaluate_world, heldout_windows
 from .lm_training import LMTrainingConfig, TrainingResult, train_causal_lm
 from .prompts import PromptConfig, build_prompts
@@ -32,6 +33,7 @@ __all__ = [
     "CausalLMShape",
     "CorpusConfig",
     "CorpusError",
+    "DrafterConfig",
     "EvaluationConfig",
     "evaluate_world",
     "heldout_windows",
@@ -46,6 +48,7 @@ __all__ = [
     "build_ar_draft",
     "build_causal_lm",
     "build_corpus",
+    "build_drafter",
     "build_prompts",
     "build_target",
     "build_world",

@@ -15,9 +15,9 @@ from .files import read_jsonl
 from .tokenizer import load_tokenizer
 
 WORLD_DATA_DIR = Path(__file__).parent / "data"
-SHIPPED_ARTIFACTS = ("target", "ar_draft", "tokenizer", "prompts", "report.json")
+SHIPPED_ARTIFACTS = ("target", "ar_draft", "drafter", "tokenizer", "prompts", "report.json")
 REGENERATE_COMMAND = (
-    "python trainers/build_demo_world.py --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,ship"
+    "python trainers/build_demo_world.py --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,drafter,ship"
 )
 
 

@@ -17,6 +17,7 @@ from .ar_draft import ArDraftConfig, build_ar_draft
 from .artifacts import SHIPPED_ARTIFACTS, WORLD_DATA_DIR
 from .causal_lm import CausalLMShape
 from .corpus import DOMAINS, CorpusConfig, build_corpus, load_documents
+from .drafter import DrafterConfig, build_drafter
 from .evaluation import EvaluationConfig, evaluate_world
 from .files import atomic_directory, write_jsonl
 from .lm_training import LMTrainingConfig
@@ -25,7 +26,7 @@ from .prompts import PromptConfig, build_prompts
 from .target import TargetConfig, build_target
 from .tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
-STAGES = ("corpus", "tokenizer", "prompts", "target", "ar_draft", "evaluate", "ship")
+STAGES = ("corpus", "tokenizer", "prompts", "target", "ar_draft", "evaluate", "drafter", "ship")
 DEFAULT_STAGES = STAGES[:-1]
 
 
@@ -40,6 +41,7 @@ class WorldConfig:
     target: TargetConfig = field(default_factory=TargetConfig, metadata={"help": "The target LM."})
     ar_draft: ArDraftConfig = field(default_factory=ArDraftConfig, metadata={"help": "The AR draft model."})
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig, metadata={"help": "Held-out scoring."})
+    drafter: DrafterConfig = field(default_factory=DrafterConfig, metadata={"help": "The AdaFlash drafter."})
 
     @classmethod
     def quick(cls, seed: int = 0) -> WorldConfig:
@@ -59,6 +61,9 @@ class WorldConfig:
                 training=LMTrainingConfig(minutes=0.25, **small_training),
             ),
             evaluation=EvaluationConfig(seq_len=128, windows_per_domain=8),
+            drafter=DrafterConfig(
+                target_layer_ids=[1, 2], prompts_per_domain=8, completion_tokens=32, max_steps=10, eval_new_tokens=16
+            ),
         )
 
 
@@ -93,6 +98,10 @@ class WorldLayout:
         return self.root / "ar_draft"
 
     @property
+    def drafter(self) -> Path:
+        return self.root / "drafter"
+
+    @property
     def report(self) -> Path:
         return self.root / "report.json"
 
@@ -115,6 +124,7 @@ def build_world(
         "target": _target_stage,
         "ar_draft": _ar_draft_stage,
         "evaluate": _evaluate_stage,
+        "drafter": _drafter_stage,
     }
     for stage in (name for name in STAGES if name in stages):
         if stage == "ship":
@@ -177,6 +187,19 @@ def _ar_draft_stage(config: WorldConfig, layout: WorldLayout) -> dict:
 
 def _evaluate_stage(config: WorldConfig, layout: WorldLayout) -> dict:
     return evaluate_world(layout.tokens, layout.target, layout.ar_draft, config.evaluation)
+
+
+def _drafter_stage(config: WorldConfig, layout: WorldLayout) -> dict:
+    return build_drafter(
+        config.drafter,
+        load_tokenizer(layout.tokenizer),
+        layout.tokens,
+        layout.target,
+        layout.prompts,
+        layout.drafter,
+        config.seed,
+        layout.root / "drafter_run",
+    )
 
 
 def ship_world(layout: WorldLayout, ship_dir: Path) -> None:

@@ -1,0 +1,27 @@
+"""The `adaflash` command on the shipped demo world (the README's main job), end to end."""
+
+import json
+
+from adaflash_hf.cli import main
+
+
+def test_demo_runs_on_the_shipped_world_with_identical_outputs(capsys):
+    assert main(["demo", "--prompts-per-domain", "1", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "| domain | identical | acceptance length |" in out
+    for domain in ("code", "prose", "man", "math"):
+        assert f"| {domain} | 1/1 |" in out
+    assert "outputs identical: 4/4" in out and "mean speedup" in out
+
+
+def test_bench_quick_writes_records(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    args = ["bench", "--quick", "--methods", "plain,adaflash_fixed,adaflash_adaptive", "--batch-sizes", "1,2",
+            "--prompts-per-domain", "2", "--max-new-tokens", "12", "--json", str(path)]
+    assert main(args) == 0
+    records = json.loads(path.read_text())
+    keys = {"method", "batch_size", "domain", "dtype", "tokens_per_s", "speedup", "mean_acceptance_length",
+            "verified_per_emitted", "identical_fraction"}
+    assert all(keys <= set(r) for r in records)
+    assert {r["batch_size"] for r in records} == {1, 2}
+    assert all(r["identical_fraction"] == 1.0 for r in records if r["dtype"] == "float32")
