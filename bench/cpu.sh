@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 out=bench/results
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
-adaflash bench --dtype float32 --batch-sizes 1,4,8,16,32 --prompts-per-domain 32 --max-new-tokens 128 \
+"${PYTHON:-python}" -m adaflash_hf.cli bench --dtype float32 --batch-sizes 1,4,8,16,32 --prompts-per-domain 32 --max-new-tokens 128 \
     --json "$out/cpu_fp32.json" --markdown "$out/cpu_fp32.md" --plots "$out"
