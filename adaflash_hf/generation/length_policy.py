@@ -88,6 +88,3 @@ class LengthPolicy:
             )
             lengths = first.long()
         return lengths.clamp(self.min_candidate_length, block_size)
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
