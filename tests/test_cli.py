@@ -16,12 +16,33 @@ def test_demo_runs_on_the_shipped_world_with_identical_outputs(capsys):
 
 def test_bench_quick_writes_records(tmp_path, capsys):
     path = tmp_path / "out.json"
-    args = ["bench", "--quick", "--methods", "plain,adaflash_fixed,adaflash_adaptive", "--batch-sizes", "1,2",
-            "--prompts-per-domain", "2", "--max-new-tokens", "12", "--json", str(path)]
+    args = [
+        "bench",
+        "--quick",
+        "--methods",
+        "plain,adaflash_fixed,adaflash_adaptive",
+        "--batch-sizes",
+        "1,2",
+        "--prompts-per-domain",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        str(path),
+    ]
     assert main(args) == 0
     records = json.loads(path.read_text())
-    keys = {"method", "batch_size", "domain", "dtype", "tokens_per_s", "speedup", "mean_acceptance_length",
-            "verified_per_emitted", "identical_fraction"}
+    keys = {
+        "method",
+        "batch_size",
+        "domain",
+        "dtype",
+        "tokens_per_s",
+        "speedup",
+        "mean_acceptance_length",
+        "verified_per_emitted",
+        "identical_fraction",
+    }
     assert all(keys <= set(r) for r in records)
     assert {r["batch_size"] for r in records} == {1, 2}
     assert all(r["identical_fraction"] == 1.0 for r in records if r["dtype"] == "float32")
