@@ -89,3 +89,26 @@ def synthetic_drafter(target, tokenizer, block_size: int = 8, use_length_head: b
         length_head_bottleneck_dim=32,
     )
     return AdaFlashDrafter(config)
+
+
+def opd_args(output_dir, **overrides):
+    """An `OPDConfig` for seconds-long CPU runs on the synthetic language."""
+    from adaflash_hf.training import OPDConfig
+
+    defaults = dict(
+        output_dir=str(output_dir),
+        max_steps=10,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        learning_rate=3e-3,
+        bf16=False,
+        use_cpu=True,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        max_completion_length=32,
+        num_anchors=64,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return OPDConfig(**{**defaults, **overrides})

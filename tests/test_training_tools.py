@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 from datasets import Dataset
-from synthetic import prompts, synthetic_drafter
+from synthetic import opd_args, prompts, synthetic_drafter
 from transformers import GenerationConfig
 
 from adaflash_hf import AdaFlashDrafter
@@ -135,24 +135,11 @@ def _stepwise_acceptance(target, drafter, prompt, completion):
 
 
 def test_measured_acceptance_equals_a_teacher_forced_stepwise_replay(target, tokenizer, tmp_path):
-    from adaflash_hf.training import OPDConfig, OPDTrainer, measure_acceptance
+    from adaflash_hf.training import OPDTrainer, measure_acceptance
 
     # A partly trained drafter, so that blocks are accepted to different depths.
     drafter = synthetic_drafter(target, tokenizer)
-    args = OPDConfig(
-        output_dir=str(tmp_path),
-        max_steps=30,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        learning_rate=3e-3,
-        bf16=False,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        max_completion_length=24,
-        num_anchors=32,
-        disable_tqdm=True,
-    )
+    args = opd_args(tmp_path, max_steps=30, max_completion_length=24, num_anchors=32, seed=42)
     OPDTrainer(
         model=drafter,
         teacher_model=target,

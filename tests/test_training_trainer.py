@@ -6,39 +6,19 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from synthetic import prompts, synthetic_drafter
+from synthetic import opd_args, prompts, synthetic_drafter
 from transformers import TrainerCallback
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.training import OPDConfig, OPDTrainer, measure_acceptance
+from adaflash_hf.training import OPDTrainer, measure_acceptance
 from adaflash_hf.training import rollouts as rollouts_module
 
-COMPLETION = 32
+COMPLETION = 32  # synthetic.opd_args' max_completion_length
 
 
 @pytest.fixture(scope="module")
 def eval_prompts(tokenizer):
     return [tokenizer(p)["input_ids"] for p in prompts(8, seed=1)]
-
-
-def _args(output_dir, **overrides):
-    defaults = dict(
-        output_dir=str(output_dir),
-        max_steps=10,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        learning_rate=3e-3,
-        bf16=False,
-        use_cpu=True,
-        logging_steps=5,
-        save_strategy="no",
-        report_to=[],
-        max_completion_length=COMPLETION,
-        num_anchors=64,
-        disable_tqdm=True,
-        seed=0,
-    )
-    return OPDConfig(**{**defaults, **overrides})
 
 
 def _trainer(target, tokenizer, args, drafter=None, dataset=None, **kwargs):
@@ -58,7 +38,7 @@ def _acceptance(target, drafter, prompts_ids):
 def test_opd_training_raises_acceptance_and_the_checkpoint_reloads(target, tokenizer, eval_prompts, tmp_path):
     drafter = synthetic_drafter(target, tokenizer)
     before = _acceptance(target, drafter, eval_prompts)
-    args = _args(tmp_path, max_steps=100, logging_steps=20, save_strategy="steps", save_steps=100)
+    args = opd_args(tmp_path, max_steps=100, logging_steps=20, save_strategy="steps", save_steps=100)
     trainer = _trainer(target, tokenizer, args, drafter=drafter)
     trainer.train()
     after = _acceptance(target, drafter, eval_prompts)
@@ -88,7 +68,7 @@ def test_every_loss_type_trains_on_offline_pairs(target, tokenizer, tmp_path, lo
         }
     )
     trainer = _trainer(
-        target, tokenizer, _args(tmp_path, loss_type=loss_type, max_steps=12, logging_steps=2), dataset=pairs
+        target, tokenizer, opd_args(tmp_path, loss_type=loss_type, max_steps=12, logging_steps=2), dataset=pairs
     )
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -109,11 +89,11 @@ class _Interrupt(TrainerCallback):
 
 
 def test_resume_continues_exactly_from_the_checkpoint_without_regenerating(target, tokenizer, tmp_path, monkeypatch):
-    reference = _trainer(target, tokenizer, _args(tmp_path / "reference", save_strategy="steps", save_steps=5))
+    reference = _trainer(target, tokenizer, opd_args(tmp_path / "reference", save_strategy="steps", save_steps=5))
     reference.train()
 
     interrupted_dir = tmp_path / "interrupted"
-    args = _args(interrupted_dir, save_strategy="steps", save_steps=5)
+    args = opd_args(interrupted_dir, save_strategy="steps", save_steps=5)
     with pytest.raises(KeyboardInterrupt):
         _trainer(target, tokenizer, args, callbacks=[_Interrupt()]).train()
     assert (interrupted_dir / "checkpoint-5").is_dir() and not (interrupted_dir / "checkpoint-10").exists()
@@ -139,7 +119,7 @@ def test_lora_adapters_train_save_reload_and_hotswap(target, tokenizer, eval_pro
     lora = LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    args = _args(tmp_path, max_steps=20, save_strategy="steps", save_steps=20)
+    args = opd_args(tmp_path, max_steps=20, save_strategy="steps", save_steps=20)
     trainer = _trainer(target, tokenizer, args, peft_config=lora)
     trainer.train()
     checkpoint = tmp_path / "checkpoint-20"
@@ -166,7 +146,7 @@ def test_lora_adapters_train_save_reload_and_hotswap(target, tokenizer, eval_pro
 def test_length_head_trains_in_its_own_parameter_group(target, tokenizer, tmp_path):
     drafter = synthetic_drafter(target, tokenizer, use_length_head=True)
     head_before = {n: p.clone() for n, p in drafter.length_head.named_parameters()}
-    trainer = _trainer(target, tokenizer, _args(tmp_path, max_steps=6, logging_steps=2), drafter=drafter)
+    trainer = _trainer(target, tokenizer, opd_args(tmp_path, max_steps=6, logging_steps=2), drafter=drafter)
     trainer.train()
     lrs = sorted(group["lr"] for group in trainer.optimizer.param_groups)
     assert lrs == [2e-4, 3e-3]
@@ -181,30 +161,36 @@ def test_frozen_length_head_under_lora_is_a_clear_error(target, tokenizer, tmp_p
     drafter = synthetic_drafter(target, tokenizer, use_length_head=True)
     with pytest.raises(ValueError, match="modules_to_save"):
         _trainer(
-            target, tokenizer, _args(tmp_path), drafter=drafter, peft_config=LoraConfig(r=2, target_modules=["q_proj"])
+            target,
+            tokenizer,
+            opd_args(tmp_path),
+            drafter=drafter,
+            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
         )
 
 
 def test_bad_inputs_raise_one_clear_error(target, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="`prompt` or `messages`"):
-        _trainer(target, tokenizer, _args(tmp_path), dataset=Dataset.from_dict({"text": ["step1 n1"]}))
+        _trainer(target, tokenizer, opd_args(tmp_path), dataset=Dataset.from_dict({"text": ["step1 n1"]}))
     with pytest.raises(ValueError, match="use_vllm"):
-        _args(tmp_path, use_vllm=True)
+        opd_args(tmp_path, use_vllm=True)
     with pytest.raises(ValueError, match="block_size"):
-        _trainer(target, tokenizer, _args(tmp_path, block_size=4))
+        _trainer(target, tokenizer, opd_args(tmp_path, block_size=4))
     other = synthetic_drafter(target, tokenizer)
     other.config.hidden_size = 32
     with pytest.raises(ValueError, match="incompatible: hidden size"):
-        _trainer(target, tokenizer, _args(tmp_path), drafter=other)
+        _trainer(target, tokenizer, opd_args(tmp_path), drafter=other)
     short = Dataset.from_dict({"prompt": ["step1 n1"], "completion": ["n2"]})
-    trainer = _trainer(target, tokenizer, _args(tmp_path, max_steps=1, per_device_train_batch_size=1), dataset=short)
+    trainer = _trainer(
+        target, tokenizer, opd_args(tmp_path, max_steps=1, per_device_train_batch_size=1), dataset=short
+    )
     with pytest.raises(ValueError, match="too short|no anchor"):
         trainer.train()
 
 
 def test_messages_prompts_use_the_chat_template_and_rollouts_are_cached(target, tokenizer, tmp_path):
     dataset = Dataset.from_dict({"messages": [[{"role": "user", "content": p}] for p in prompts(8)]})
-    args = _args(tmp_path, max_steps=2)
+    args = opd_args(tmp_path, max_steps=2)
     trainer = _trainer(target, tokenizer, args, dataset=dataset)
     assert trainer.train_dataset[0]["prompt_ids"] == tokenizer(prompts(8)[0] + " ")["input_ids"]
     trainer.train()
@@ -212,14 +198,14 @@ def test_messages_prompts_use_the_chat_template_and_rollouts_are_cached(target, 
     assert len(cached) == 8 and len(cached[0]["completion_ids"]) == COMPLETION
     other = Dataset.from_dict({"messages": [[{"role": "user", "content": p}] for p in prompts(8, seed=5)]})
     with pytest.raises(ValueError, match="rollouts of other prompts or generation settings"):
-        _trainer(target, tokenizer, _args(tmp_path, max_steps=4), dataset=other).train()
+        _trainer(target, tokenizer, opd_args(tmp_path, max_steps=4), dataset=other).train()
 
 
 def test_evaluate_on_pairs_and_push_to_hub_uploads_the_hub_format_with_our_card(
     target, tokenizer, tmp_path, monkeypatch
 ):
     pairs = Dataset.from_dict({"prompt": prompts(4), "completion": ["n1 n2 n3 n4 n5 n6 n7 n8 n9 n10 n11"] * 4})
-    args = _args(tmp_path, max_steps=2, hub_model_id="someone/tiny-drafter", per_device_eval_batch_size=2)
+    args = opd_args(tmp_path, max_steps=2, hub_model_id="someone/tiny-drafter", per_device_eval_batch_size=2)
     trainer = _trainer(target, tokenizer, args, eval_dataset=pairs)
     trainer.train()
     metrics = trainer.evaluate()
@@ -250,7 +236,7 @@ def test_rollouts_are_refreshed_every_rollout_refresh_steps(target, tokenizer, t
     trainer = _trainer(
         target,
         tokenizer,
-        _args(tmp_path, max_steps=7, rollout_refresh_steps=3),
+        opd_args(tmp_path, max_steps=7, rollout_refresh_steps=3),
         dataset=Dataset.from_dict({"prompt": prompts(8)}),
     )
     trainer.train()
@@ -262,10 +248,10 @@ def test_rollouts_are_drafted_by_the_current_drafter_and_unchanged(target, token
     import adaflash_hf
 
     dataset = Dataset.from_dict({"prompt": prompts(8)})
-    speculative = _trainer(target, tokenizer, _args(tmp_path / "a", rollout_with_drafter=True), dataset=dataset)
+    speculative = _trainer(target, tokenizer, opd_args(tmp_path / "a", rollout_with_drafter=True), dataset=dataset)
     with adaflash_hf.record_stats() as stats:
         drafted = speculative._generate_rollouts()["completion_ids"]
-    plain = _trainer(target, tokenizer, _args(tmp_path / "b", rollout_with_drafter=False), dataset=dataset)
+    plain = _trainer(target, tokenizer, opd_args(tmp_path / "b", rollout_with_drafter=False), dataset=dataset)
     with adaflash_hf.record_stats() as no_stats:
         reference = plain._generate_rollouts()["completion_ids"]
     assert drafted == reference
