@@ -84,9 +84,11 @@ class CorpusConfig:
         metadata={"help": "Cap on the templated `gcloud` man pages, which would otherwise be most of section 1."},
     )
     man_render_threads: int = field(default=2, metadata={"help": "Parallel `man` processes while rendering."})
-    stdlib_dir: str = field(
-        default_factory=lambda: sysconfig.get_paths()["stdlib"],
-        metadata={"help": "CPython standard library directory (the code domain)."},
+    stdlib_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "CPython standard library directory (the code domain); None: this interpreter's (sysconfig)."
+        },
     )
     excluded_stdlib_dirs: tuple[str, ...] = field(
         default=("test", "tests", "idle_test", "site-packages", "pydoc_data", "encodings"),
@@ -194,7 +196,7 @@ def _keep(text: str | None, config: CorpusConfig) -> bool:
 
 def code_documents(config: CorpusConfig, rng: random.Random) -> Iterator[Document]:
     """Whole standard-library modules in a seeded order; one file is one document."""
-    root = Path(config.stdlib_dir)
+    root = Path(config.stdlib_dir or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise CorpusError(
             f"The code domain needs the CPython standard library, but {root} does not exist; "
