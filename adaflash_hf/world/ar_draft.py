@@ -26,8 +26,8 @@ class ArDraftConfig:
         metadata={"help": "The target's width with 2 layers: each draft token costs about a third of a target token."},
     )
     training: LMTrainingConfig = field(
-        default_factory=lambda: LMTrainingConfig(minutes=3.0),
-        metadata={"help": "A short run (3 minutes) with the target's optimiser settings."},
+        default_factory=lambda: LMTrainingConfig(max_steps=300),
+        metadata={"help": "A short run (300 steps, about 3 minutes) with the target's optimiser settings."},
     )
     distill_from_target: bool = field(
         default=True,

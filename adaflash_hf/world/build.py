@@ -54,11 +54,11 @@ class WorldConfig:
             prompts=PromptConfig(prompts_per_domain=8),
             target=TargetConfig(
                 shape=CausalLMShape(hidden_size=128, num_hidden_layers=4, head_dim=32, intermediate_size=512),
-                training=LMTrainingConfig(minutes=0.5, **small_training),
+                training=LMTrainingConfig(max_steps=60, **small_training),
             ),
             ar_draft=ArDraftConfig(
                 shape=CausalLMShape(hidden_size=128, num_hidden_layers=1, head_dim=32, intermediate_size=512),
-                training=LMTrainingConfig(minutes=0.25, **small_training),
+                training=LMTrainingConfig(max_steps=30, **small_training),
             ),
             evaluation=EvaluationConfig(seq_len=128, windows_per_domain=8),
             drafter=DrafterConfig(

@@ -50,10 +50,13 @@ class DrafterConfig:
     learning_rate: float = field(default=1e-3, metadata={"help": "Constant AdamW learning rate of the drafter."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per optimizer step."})
     num_anchors: int = field(default=16, metadata={"help": "Blocks drawn per sequence."})
-    minutes: float = field(
-        default=10.0, metadata={"help": "Wall-clock training budget (constant LR, so any stop is fine)."}
+    max_steps: int | None = field(
+        default=950,
+        metadata={"help": "Exact steps (about 10 minutes on 2 idle cores); reproducible. None: `minutes`."},
     )
-    max_steps: int | None = field(default=None, metadata={"help": "Exact steps; overrides `minutes` (reproducible)."})
+    minutes: float = field(
+        default=10.0, metadata={"help": "Wall-clock budget when `max_steps` is None (constant LR: any stop is fine)."}
+    )
     eval_new_tokens: int = field(default=128, metadata={"help": "Tokens generated per held-out prompt at evaluation."})
 
 

@@ -26,10 +26,12 @@ from .packing import load_streams
 class LMTrainingConfig:
     """Optimiser, schedule, batch shape and budget of one training run."""
 
-    minutes: float = field(default=10.0, metadata={"help": "Wall-clock budget; the schedule follows the clock."})
     max_steps: int | None = field(
         default=None,
         metadata={"help": "Exact number of steps; overrides `minutes` and makes the run reproducible bit for bit."},
+    )
+    minutes: float = field(
+        default=10.0, metadata={"help": "Wall-clock budget when `max_steps` is None; the schedule follows the clock."}
     )
     batch_size: int = field(default=16, metadata={"help": "Sequences per step; a multiple of the 4 domains."})
     seq_len: int = field(default=256, metadata={"help": "Tokens per sequence."})
