@@ -50,13 +50,35 @@ def _all_true(mask: torch.Tensor | None) -> bool:
     return mask is None or bool(mask.all())
 
 
+def adapter_names_for(drafter, generation_config) -> list[str] | None:
+    """The per-row PEFT adapter names of ``GenerationConfig(adaflash_adapter_names=[...])``, checked against the
+    adapters the (PEFT-wrapped) drafter holds; ``"__base__"`` drafts a row with the bare drafter."""
+    names = getattr(generation_config, "adaflash_adapter_names", None)
+    if names is None:
+        return None
+    loaded = set(getattr(drafter, "peft_config", None) or {})
+    if not loaded:
+        raise ValueError(
+            "adaflash_adapter_names needs a PEFT-wrapped drafter (peft.PeftModel with LoRA adapters); this drafter "
+            "has none. Wrap it with peft.get_peft_model or PeftModel.from_pretrained, or drop adaflash_adapter_names."
+        )
+    unknown = sorted(set(names) - loaded - {"__base__"})
+    if unknown:
+        raise ValueError(
+            f"adaflash_adapter_names names adapters {unknown} the drafter does not hold; it holds {sorted(loaded)} "
+            "(or use '__base__' for the bare drafter)."
+        )
+    return list(names)
+
+
 class AdaFlashCandidateGenerator(CandidateGenerator):
     """Drafts with an AdaFlash / DFlash drafter from the target's hidden states.
 
     Args:
         target: the target `PreTrainedModel`; its input embeddings embed the block, its output embeddings give logits.
         drafter: an `AdaFlashDrafter` (or a PEFT model wrapping one).
-        generation_config: the call's `GenerationConfig` (`do_sample`, `max_length`, `adaflash_*` policy overrides).
+        generation_config: the call's `GenerationConfig` (`do_sample`, `max_length`, `adaflash_*` policy overrides,
+            and ``adaflash_adapter_names``: one PEFT adapter name per batch row, for per-request domain adapters).
         logits_processor: the processors the target's logits get; the drafter's logits get the same.
     """
 
@@ -79,6 +101,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.choose = token_chooser(self.do_sample)
         self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
         self.max_length = generation_config.max_length
+        self.adapter_names = adapter_names_for(drafter, generation_config)
         self.cache = DFlashCache(config=config)
         self.cache_mask: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None] | None = None
@@ -103,6 +126,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keeps only the batch rows in `index` (finished rows stop costing drafter compute)."""
         self.cache.batch_select_indices(index.to(self.device))
+        if self.adapter_names is not None:
+            self.adapter_names = [self.adapter_names[i] for i in index.tolist()]
         if self.cache_mask is not None:
             self.cache_mask = self.cache_mask[index]
         if self._pending is not None:
@@ -146,6 +171,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             position_ids=position_ids,
             attention_mask=attention_mask,
             cache=self.cache,
+            **self._adapter_kwargs(batch),
         )
         self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
         self.cache_mask = context_mask
@@ -165,6 +191,16 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         )
         num_drafts = torch.minimum(candidate_lengths - 1, max_drafts.clamp(min=0))
         return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts, candidate_lengths)
+
+    def _adapter_kwargs(self, batch: int) -> dict:
+        if self.adapter_names is None:
+            return {}
+        if len(self.adapter_names) != batch:
+            raise ValueError(
+                f"adaflash_adapter_names has {len(self.adapter_names)} names for a batch of {batch} rows; give one "
+                "adapter name per row."
+            )
+        return {"adapter_names": self.adapter_names}
 
     def _context_mask(self, batch: int, new: int, valid: torch.Tensor | None) -> torch.Tensor | None:
         """Validity of every drafter cache row after this step's context is appended (``None``: all valid)."""

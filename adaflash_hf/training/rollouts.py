@@ -2,9 +2,11 @@
 
 A dataset row is either a prompt (`prompt` text or conversation, or `messages`) whose response the target generates
 (on-policy, spec §5), or a prompt with its response (`completion` or `response`, or `messages` ending in an
-assistant turn) for offline runs. Rollouts of round ``r`` are written as a `datasets.Dataset` to
-``<rollout_dir>/round-<r>`` atomically (temporary directory + rename), so a resumed run loads them instead of
-generating again.
+assistant turn) for offline runs. Rows of served traffic may come already tokenized (`prompt_ids` with
+`completion_ids`), which keeps the target's exact tokens instead of a decode/encode round trip.
+
+Rollouts of round ``r`` are written as a `datasets.Dataset` to ``<rollout_dir>/round-<r>`` atomically (temporary
+directory + rename), so a resumed run loads them instead of generating again.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-PROMPT_COLUMNS = ("prompt", "messages")
-RESPONSE_COLUMNS = ("completion", "response")
+PROMPT_COLUMNS = ("prompt", "messages", "prompt_ids")
+RESPONSE_COLUMNS = ("completion", "response", "completion_ids")
 
 
 def check_columns(dataset: Dataset) -> None:
@@ -31,7 +33,8 @@ def check_columns(dataset: Dataset) -> None:
     if not columns & set(PROMPT_COLUMNS):
         raise ValueError(
             f"The dataset has columns {sorted(columns)} but needs a `prompt` or `messages` column (prompts the "
-            "target answers), optionally with `completion`/`response` (offline prompt/response pairs)."
+            "target answers), optionally with `completion`/`response` (offline prompt/response pairs), or token ids "
+            "in `prompt_ids` + `completion_ids`."
         )
 
 
@@ -56,6 +59,8 @@ def _render(tokenizer, messages, chat_template_kwargs) -> list[int]:
 def encode_example(example: dict, tokenizer, chat_template_kwargs: dict) -> dict:
     """``{"prompt_ids": [...]}`` plus ``"completion_ids"`` for offline rows. Conversations are rendered with the
     chat template and a generation prompt (spec §4.1: loss on the last assistant turn only)."""
+    if example.get("prompt_ids") is not None:
+        return {key: list(example[key]) for key in ("prompt_ids", "completion_ids") if example.get(key) is not None}
     completion = next((example[c] for c in RESPONSE_COLUMNS if example.get(c) is not None), None)
     prompt = example.get("prompt")
     if prompt is None:

@@ -1,0 +1,24 @@
+"""Online adaptation (spec §5): buffer served requests, train the drafter (or per-domain LoRA adapters) on them
+in the background, and hot-swap the published weights into the running generator between requests."""
+
+from .adapter import OnlineAdapter
+from .buffer import Sample, SampleBuffer
+from .config import OnlineConfig
+from .metrics import MetricsLog, acceptance_by_version, plot_acceptance, read_metrics
+from .publishing import Publication, PublishError, VersionStore
+from .rounds import RoundTrainer
+
+__all__ = [
+    "MetricsLog",
+    "OnlineAdapter",
+    "OnlineConfig",
+    "Publication",
+    "PublishError",
+    "RoundTrainer",
+    "Sample",
+    "SampleBuffer",
+    "VersionStore",
+    "acceptance_by_version",
+    "plot_acceptance",
+    "read_metrics",
+]
