@@ -76,6 +76,21 @@ def test_every_loss_type_trains_on_offline_pairs(target, tokenizer, tmp_path, lo
     assert not (tmp_path / "rollouts").exists()  # offline data is never regenerated
 
 
+def test_token_id_pairs_train_under_bf16_and_leave_the_callers_target_untouched(target, tokenizer, tmp_path):
+    texts = prompts(8)
+    prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
+    pairs = Dataset.from_dict({"prompt_ids": prompt_ids, "completion_ids": _greedy(target, tokenizer, texts)})
+    probe = torch.tensor(prompt_ids)
+    with torch.no_grad():
+        before = target(probe).logits
+    trainer = _trainer(target, tokenizer, opd_args(tmp_path, bf16=True, max_steps=2), dataset=pairs)
+    trainer.train()
+    # accelerate wraps a bf16 run's models in autocast; the target the caller serves with must not stay wrapped.
+    assert not hasattr(target.forward, "__wrapped__") and not hasattr(target, "_original_forward")
+    with torch.no_grad():
+        assert torch.equal(target(probe).logits, before)
+
+
 def _greedy(target, tokenizer, texts):
     ids = [tokenizer(t)["input_ids"] for t in texts]
     config = rollouts_module.GenerationConfig(max_new_tokens=COMPLETION, do_sample=False, pad_token_id=0)
