@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.world import (
     DOMAINS,
+    UNSEEN_DOMAIN,
     ArDraftConfig,
     CausalLMShape,
     CorpusConfig,
@@ -17,6 +18,7 @@ from adaflash_hf.world import (
     EvaluationConfig,
     LMTrainingConfig,
     PromptConfig,
+    StreamConfig,
     TargetConfig,
     TokenizerConfig,
     WorldConfig,
@@ -28,6 +30,7 @@ from adaflash_hf.world import (
     is_heldout,
     load_documents,
     load_prompts,
+    load_stream,
     load_world_model,
     load_world_tokenizer,
     world_artifact,
@@ -60,6 +63,7 @@ def tiny_world(seed: int) -> WorldConfig:
         ),
         tokenizer=TokenizerConfig(vocab_size=512),
         prompts=PromptConfig(prompts_per_domain=3, prompt_tokens=PROMPT_TOKENS),
+        stream=StreamConfig(prompts_per_domain=3, heldout_prompts=2, prompt_tokens=PROMPT_TOKENS),
         target=TargetConfig(shape=TINY_SHAPE, training=LMTrainingConfig(max_steps=6, **training)),
         ar_draft=ArDraftConfig(
             shape=CausalLMShape(**{**TINY_SHAPE.__dict__, "num_hidden_layers": 1}),
@@ -147,6 +151,23 @@ def test_prompt_files_come_from_heldout_documents(worlds):
             assert heldout[row["doc_id"]][row["char_offset"] :].startswith(row["prompt"][:20])
             assert len(tokenizer(row["prompt"])["input_ids"]) == row["prompt_tokens"]
             assert PROMPT_TOKENS - 4 <= row["prompt_tokens"] <= PROMPT_TOKENS
+
+
+def test_streams_cut_training_documents_and_an_unseen_heldout_changelog_split(worlds):
+    (first, _), (second, _) = worlds["first"], worlds["second"]
+    for domain in DOMAINS:
+        rows = load_stream(domain, data_dir=first.root)
+        train = {doc.doc_id for doc in load_documents(first.corpus, domain, "train")}
+        assert len(rows) == 3 and all(row["doc_id"] in train for row in rows)
+    changelog = load_stream(UNSEEN_DOMAIN, data_dir=first.root)
+    heldout = load_stream(UNSEEN_DOMAIN, heldout=True, data_dir=first.root)
+    assert len(changelog) == 3 and len(heldout) == 2
+    assert all(row["doc_id"].startswith("changelog/") for row in changelog + heldout)
+    assert not {row["doc_id"] for row in changelog} & {row["doc_id"] for row in heldout}
+    for name in (f"{UNSEEN_DOMAIN}.jsonl", f"{UNSEEN_DOMAIN}.heldout.jsonl", "code.jsonl"):
+        assert (first.stream / name).read_bytes() == (second.stream / name).read_bytes()  # same seed, same stream
+    with pytest.raises(FileNotFoundError, match="the shipped streams are"):
+        load_stream("poetry", data_dir=first.root)
 
 
 def test_saved_world_reloads_offline_and_generates(worlds):

@@ -2,13 +2,15 @@
 draft model, built by ``trainers/build_demo_world.py`` and shipped in ``adaflash_hf/world/data``.
 
 Everything is built from files already on the machine (CPython stdlib, GNU info manuals, package docs, man pages)
-plus generated arithmetic problems, so the demo and benchmarks need no download.
+plus generated arithmetic problems, so the demo and benchmarks need no download. Debian changelogs, kept out of
+the corpus, make an unseen domain for the online-adaptation streams.
 """
 
 from .ar_draft import ArDraftConfig, build_ar_draft
 from .artifacts import (
     WORLD_DATA_DIR,
     load_prompts,
+    load_stream,
     load_world_model,
     load_world_tokenizer,
     world_artifact,
@@ -20,6 +22,7 @@ from .drafter import DrafterConfig, build_drafter
 from .evaluation import EvaluationConfig, evaluate_heldout, evaluate_world, heldout_windows
 from .lm_training import LMTrainingConfig, TrainingResult, train_causal_lm
 from .prompts import PromptConfig, build_prompts
+from .stream import UNSEEN_DOMAIN, StreamConfig, build_streams
 from .target import TargetConfig, build_target
 from .tokenizer import MASK_TOKEN, TokenizerConfig, load_tokenizer, train_tokenizer
 
@@ -28,6 +31,7 @@ __all__ = [
     "DOMAINS",
     "MASK_TOKEN",
     "STAGES",
+    "UNSEEN_DOMAIN",
     "WORLD_DATA_DIR",
     "ArDraftConfig",
     "CausalLMShape",
@@ -40,6 +44,7 @@ __all__ = [
     "Document",
     "LMTrainingConfig",
     "PromptConfig",
+    "StreamConfig",
     "TargetConfig",
     "TokenizerConfig",
     "TrainingResult",
@@ -50,6 +55,7 @@ __all__ = [
     "build_corpus",
     "build_drafter",
     "build_prompts",
+    "build_streams",
     "build_target",
     "build_world",
     "count_parameters",
@@ -57,6 +63,7 @@ __all__ = [
     "is_heldout",
     "load_documents",
     "load_prompts",
+    "load_stream",
     "load_saved_causal_lm",
     "load_tokenizer",
     "load_world_model",

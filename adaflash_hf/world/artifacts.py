@@ -1,4 +1,5 @@
-"""The world artifacts shipped inside the package: target, AR draft, tokenizer and held-out prompts.
+"""The world artifacts shipped inside the package: target, AR draft, drafter, tokenizer, held-out prompts and the
+online-adaptation streams.
 
 They live in ``adaflash_hf/world/data`` and are regenerated with ``trainers/build_demo_world.py`` (its
 ``ship`` stage copies a build there).
@@ -15,9 +16,10 @@ from .files import read_jsonl
 from .tokenizer import load_tokenizer
 
 WORLD_DATA_DIR = Path(__file__).parent / "data"
-SHIPPED_ARTIFACTS = ("target", "ar_draft", "drafter", "tokenizer", "prompts", "report.json")
+SHIPPED_ARTIFACTS = ("target", "ar_draft", "drafter", "tokenizer", "prompts", "stream", "report.json")
 REGENERATE_COMMAND = (
-    "python trainers/build_demo_world.py --stages corpus,tokenizer,prompts,target,ar_draft,evaluate,drafter,ship"
+    "python trainers/build_demo_world.py "
+    "--stages corpus,tokenizer,prompts,stream,target,ar_draft,evaluate,drafter,ship"
 )
 
 
@@ -60,3 +62,15 @@ def load_prompts(domain: str | None = None, data_dir: Path = WORLD_DATA_DIR) -> 
             f"{sorted(p.stem for p in prompts_dir.glob('*.jsonl'))}."
         )
     return [row for path in paths for row in read_jsonl(path)]
+
+
+def load_stream(domain: str, heldout: bool = False, data_dir: Path = WORLD_DATA_DIR) -> list[dict]:
+    """Stream prompt rows of ``domain`` (a world domain or ``changelog``, the unseen one); ``heldout=True``: the
+    unseen domain's held-out prompts."""
+    stream_dir = world_artifact("stream", data_dir)
+    path = stream_dir / (f"{domain}.heldout.jsonl" if heldout else f"{domain}.jsonl")
+    if not path.exists():
+        raise FileNotFoundError(
+            f"No stream file {path}; the shipped streams are {sorted(p.name for p in stream_dir.glob('*.jsonl'))}."
+        )
+    return read_jsonl(path)

@@ -23,10 +23,11 @@ from .files import atomic_directory, write_jsonl
 from .lm_training import LMTrainingConfig
 from .packing import pack_corpus
 from .prompts import PromptConfig, build_prompts
+from .stream import StreamConfig, build_streams
 from .target import TargetConfig, build_target
 from .tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
-STAGES = ("corpus", "tokenizer", "prompts", "target", "ar_draft", "evaluate", "drafter", "ship")
+STAGES = ("corpus", "tokenizer", "prompts", "stream", "target", "ar_draft", "evaluate", "drafter", "ship")
 DEFAULT_STAGES = STAGES[:-1]
 
 
@@ -38,6 +39,7 @@ class WorldConfig:
     corpus: CorpusConfig = field(default_factory=CorpusConfig, metadata={"help": "The four domains."})
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, metadata={"help": "Byte-level BPE."})
     prompts: PromptConfig = field(default_factory=PromptConfig, metadata={"help": "Held-out prompt files."})
+    stream: StreamConfig = field(default_factory=StreamConfig, metadata={"help": "Online-adaptation streams."})
     target: TargetConfig = field(default_factory=TargetConfig, metadata={"help": "The target LM."})
     ar_draft: ArDraftConfig = field(default_factory=ArDraftConfig, metadata={"help": "The AR draft model."})
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig, metadata={"help": "Held-out scoring."})
@@ -52,6 +54,7 @@ class WorldConfig:
             corpus=CorpusConfig(max_chars_per_domain=400_000, max_chars_per_file=40_000),
             tokenizer=TokenizerConfig(vocab_size=2048),
             prompts=PromptConfig(prompts_per_domain=8),
+            stream=StreamConfig(prompts_per_domain=16, heldout_prompts=8),
             target=TargetConfig(
                 shape=CausalLMShape(hidden_size=128, num_hidden_layers=4, head_dim=32, intermediate_size=512),
                 training=LMTrainingConfig(max_steps=60, **small_training),
@@ -90,6 +93,10 @@ class WorldLayout:
         return self.root / "prompts"
 
     @property
+    def stream(self) -> Path:
+        return self.root / "stream"
+
+    @property
     def target(self) -> Path:
         return self.root / "target"
 
@@ -121,6 +128,7 @@ def build_world(
         "corpus": _corpus_stage,
         "tokenizer": _tokenizer_stage,
         "prompts": _prompts_stage,
+        "stream": _stream_stage,
         "target": _target_stage,
         "ar_draft": _ar_draft_stage,
         "evaluate": _evaluate_stage,
@@ -173,6 +181,10 @@ def _prompts_stage(config: WorldConfig, layout: WorldLayout) -> dict:
             write_jsonl(staging / f"{domain}.jsonl", rows)
             counts[domain] = len(rows)
     return {"prompts_per_domain": counts, "prompt_tokens": config.prompts.prompt_tokens}
+
+
+def _stream_stage(config: WorldConfig, layout: WorldLayout) -> dict:
+    return build_streams(config.stream, layout.corpus, load_tokenizer(layout.tokenizer), config.seed, layout.stream)
 
 
 def _target_stage(config: WorldConfig, layout: WorldLayout) -> dict:
