@@ -1,4 +1,4 @@
-"""The `adaflash` command: `demo`, `bench` and `train`."""
+"""The `adaflash` command: `demo`, `bench`, `train` and `online`."""
 
 from __future__ import annotations
 
@@ -182,6 +182,119 @@ def bench(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- online
+
+
+def _stream(args) -> tuple[list[str], list[str | None]]:
+    """Prompts and domain tags of the simulated stream: a JSONL file, or the demo world's stream files
+    (``--domain all`` interleaves every domain's stream)."""
+    if args.prompts:
+        rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        missing = [i for i, row in enumerate(rows) if "prompt" not in row]
+        if missing:
+            sys.exit(f"{args.prompts}: line {missing[0] + 1} has no `prompt` field (rows: prompt, optional domain)")
+    else:
+        from adaflash_hf.world import DOMAINS, UNSEEN_DOMAIN, load_stream
+
+        names = [*DOMAINS, UNSEEN_DOMAIN] if args.domain == "all" else [args.domain]
+        streams = [load_stream(name, data_dir=WORLD_DIR) for name in names]
+        rows = [row for group in zip(*streams) for row in group]  # round-robin: a mixed-domain stream
+    rows = rows[: args.num_requests]
+    return [row["prompt"] for row in rows], [row.get("domain") for row in rows]
+
+
+def online(args) -> int:
+    """Serves a prompt stream through an `OnlineAdapter` (adapted, and with --compare also not adapted), then
+    prints acceptance per drafter version and writes metrics, a summary and a plot."""
+    from dataclasses import replace
+
+    from tqdm.auto import tqdm
+
+    from adaflash_hf.training import OPDConfig
+    from adaflash_hf.training.online import OnlineConfig, acceptance_by_version, plot_acceptance, serve_stream
+
+    root = Path(args.swap_dir)
+    if root.exists() and any(root.iterdir()) and not args.resume:
+        sys.exit(
+            f"{root} is not empty: pass --resume to continue its buffer and versions, or choose another --swap-dir"
+        )
+    target, tokenizer, drafter, _, _ = load_models(args)
+    texts, domains = _stream(args)
+    initial = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    training_args = OPDConfig(
+        output_dir=str(root / ".runs"),
+        per_device_train_batch_size=args.train_batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=args.learning_rate,
+        num_anchors=args.num_anchors,
+        bf16=True,  # autocast in the trainer thread only; the drafter's weights keep their dtype
+        use_cpu=args.device == "cpu",
+        seed=args.seed,
+    )
+    config = OnlineConfig(
+        swap_dir=str(root),
+        mode=args.mode,
+        train_threshold=args.train_threshold,
+        buffer_epochs=args.buffer_epochs,
+        training_args=training_args,
+        background=args.background,
+    )
+    generate = dict(max_new_tokens=args.max_new_tokens or 128, do_sample=False)
+    runs = {}
+    for label, adapt in (("adapted", True), ("not adapted", False))[: 2 if args.compare else 1]:
+        drafter.load_state_dict(initial)
+        run_config = replace(config, swap_dir=str(root / label.replace(" ", "_")))
+        with tqdm(total=len(texts), desc=f"online ({label})", unit="request", file=sys.stderr) as progress:
+            adapter = serve_stream(
+                target,
+                drafter,
+                tokenizer,
+                texts,
+                run_config,
+                domains,
+                args.serve_batch_size,
+                adapt,
+                progress,
+                **generate,
+            )
+        runs[label] = adapter.metrics.rows()
+        print(f"\n{label}: {json.dumps(adapter.status)}")
+    summary = {label: _online_summary(rows, acceptance_by_version) for label, rows in runs.items()}
+    for label, entry in summary.items():
+        print(f"\n{label}\n| version | requests | acceptance length | verify length | tok/s |\n|---|---|---|---|---|")
+        for row in entry["by_version"]:
+            print(
+                f"| {row['version']} | {row['requests']} | {row['mean_acceptance_length']:.2f} | "
+                f"{row['mean_verify_length']:.2f} | {row['tokens_per_s']:.0f} |"
+            )
+        print("| domain | first quarter | last quarter |\n|---|---|---|")
+        for domain, (first, last) in entry["by_domain"].items():
+            print(f"| {domain} | {first:.2f} | {last:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.plot:
+        print(f"wrote {plot_acceptance(runs, args.plot, title=args.domain if not args.prompts else '')}")
+    return 0
+
+
+def _online_summary(rows: list[dict], by_version) -> dict:
+    """Acceptance per version, and per domain over the first and the last quarter of the stream."""
+    requests = [row for row in rows if row["event"] == "request"]
+    quarter = max(len(requests) // 4, 1)
+    by_domain = {}
+    for domain in dict.fromkeys(str(row["domain"]) for row in requests):
+        own = [row["mean_acceptance_length"] for row in requests if str(row["domain"]) == domain]
+        part = max(len(own) // 4, 1)
+        by_domain[domain] = (sum(own[:part]) / part, sum(own[-part:]) / part)
+    return {
+        "requests": len(requests),
+        "first_quarter": sum(r["mean_acceptance_length"] for r in requests[:quarter]) / quarter,
+        "last_quarter": sum(r["mean_acceptance_length"] for r in requests[-quarter:]) / quarter,
+        "by_version": by_version(rows),
+        "by_domain": by_domain,
+    }
+
+
 # ---------------------------------------------------------------------------------------------- entry
 
 
@@ -212,6 +325,38 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument("--config", required=True)
     train_parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     train_parser.set_defaults(func=lambda a: _train(a))
+
+    online_parser = commands.add_parser(
+        "online", help="serve a prompt stream with online adaptation (hot-swapped drafter versions)"
+    )
+    _add_model_args(online_parser)
+    source = online_parser.add_mutually_exclusive_group()
+    source.add_argument("--prompts", help="JSONL stream: one request per line, `prompt` and optional `domain`")
+    source.add_argument(
+        "--domain",
+        default="changelog",
+        help="demo-world stream: changelog (unseen in training, default), code, prose, man, math, or all (mixed)",
+    )
+    online_parser.add_argument("--num-requests", type=int, default=256)
+    online_parser.add_argument("--serve-batch-size", type=int, default=1, help="prompts per generate() call")
+    online_parser.add_argument("--mode", default="drafter", choices=["drafter", "domain_adapters"])
+    online_parser.add_argument("--swap-dir", default="runs/online", help="buffer, versions and metrics.jsonl")
+    online_parser.add_argument("--resume", action="store_true", help="continue the buffer and versions in --swap-dir")
+    # Defaults suit the demo world's short responses; the reference (8B, 2k-token responses) uses 128 samples per
+    # round, 2 epochs, lr 3e-4 and 512 anchors.
+    online_parser.add_argument("--train-threshold", type=int, default=32, help="samples per training round")
+    online_parser.add_argument("--buffer-epochs", type=int, default=4, help="passes over a round's samples")
+    online_parser.add_argument("--train-batch-size", type=int, default=8)
+    online_parser.add_argument("--learning-rate", type=float, default=1e-3)
+    online_parser.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence (512 for 2k tokens)")
+    online_parser.add_argument("--seed", type=int, default=0)
+    online_parser.add_argument(
+        "--background", action="store_true", help="train in a background thread (default: rounds run between requests)"
+    )
+    online_parser.add_argument("--compare", action="store_true", help="also serve the stream without adaptation")
+    online_parser.add_argument("--json", help="write the per-version and per-domain summary here")
+    online_parser.add_argument("--plot", help="write the acceptance-vs-version PNG here")
+    online_parser.set_defaults(func=online)
     return parser
 
 

@@ -46,3 +46,24 @@ def test_bench_quick_writes_records(tmp_path, capsys):
     assert all(keys <= set(r) for r in records)
     assert {r["batch_size"] for r in records} == {1, 2}
     assert all(r["identical_fraction"] == 1.0 for r in records if r["dtype"] == "float32")
+
+
+def test_online_adapts_on_the_unseen_stream_and_compares_with_the_baseline(tmp_path, capsys):
+    swap, summary, plot = tmp_path / "swap", tmp_path / "summary.json", tmp_path / "online.png"
+    args = ["online", "--num-requests", "8", "--train-threshold", "4", "--max-new-tokens", "20"]
+    args += ["--train-batch-size", "4", "--buffer-epochs", "1", "--num-anchors", "4", "--compare"]
+    args += ["--swap-dir", str(swap), "--json", str(summary), "--plot", str(plot)]
+    assert main(args) == 0
+    result = json.loads(summary.read_text())
+    assert [row["version"] for row in result["adapted"]["by_version"]] == [0, 1]  # v2 is published after the last
+    assert [row["version"] for row in result["not adapted"]["by_version"]] == [0]
+    assert result["adapted"]["requests"] == result["not adapted"]["requests"] == 8
+    assert set(result["adapted"]["by_domain"]) == {"changelog"}
+    assert plot.stat().st_size > 0 and (swap / "adapted" / "published" / "drafter" / "LATEST.json").exists()
+
+    try:
+        main(args)
+    except SystemExit as stop:
+        assert "is not empty: pass --resume" in str(stop)
+    else:
+        raise AssertionError("a non-empty --swap-dir must be refused without --resume")

@@ -319,3 +319,14 @@ def test_online_config_errors_are_clear(tmp_path, target, tokenizer):
     wrapped = get_peft_model(synthetic_drafter(target, tokenizer), LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(TypeError, match="needs a bare AdaFlashDrafter"):
         OnlineAdapter(target, wrapped, tokenizer, _config(tmp_path))
+
+
+def test_a_round_of_responses_too_short_for_a_block_is_consumed_without_a_version(target, tokenizer, tmp_path):
+    adapter = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path))
+    batch = tokenizer(prompts(16, seed=15), return_tensors="pt", padding=True)
+    for start in range(0, 16, 4):
+        short = dict(GREEDY, max_new_tokens=6)  # fewer tokens than the block (8) + 1
+        adapter.generate(batch.input_ids[start : start + 4], batch.attention_mask[start : start + 4], **short)
+    assert adapter.store.channels() == [] and len(adapter.buffer) == 0
+    skipped = adapter.metrics.rows("round_skipped")
+    assert len(skipped) == 1 and skipped[0]["samples"] == 16

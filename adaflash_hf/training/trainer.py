@@ -87,9 +87,9 @@ class OPDTrainer(DistillationTrainer):
             peft_config=peft_config,
         )
         self._check_length_head_trainable()
-        # With bf16/fp16, accelerate's `prepare_model` swaps the teacher's `forward` for an autocast wrapper (evaluation
-        # mode too). OPD reads features from the inner model and never needs it, and leaving it would make the
-        # caller's target generate in reduced precision from now on: no longer lossless against the model passed in.
+        # With bf16/fp16, accelerate's `prepare_model` swaps the teacher's `forward` for an autocast wrapper (in
+        # evaluation mode too). OPD reads features from the inner model and never needs it, and leaving it would make
+        # the caller's target generate in reduced precision from now on: no longer lossless against the model passed.
         self.accelerator.unwrap_model(self.teacher_model, keep_fp32_wrapper=False)
         self._rollout_generation_config = rollout_generation_config(args, self._tokenizer, self.eos_token_ids)
         self._rollout_store = RolloutStore(

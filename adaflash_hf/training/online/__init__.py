@@ -7,6 +7,7 @@ from .config import OnlineConfig
 from .metrics import MetricsLog, acceptance_by_version, plot_acceptance, read_metrics
 from .publishing import Publication, PublishError, VersionStore
 from .rounds import RoundTrainer
+from .simulate import serve_stream
 
 __all__ = [
     "MetricsLog",
@@ -21,4 +22,5 @@ __all__ = [
     "acceptance_by_version",
     "plot_acceptance",
     "read_metrics",
+    "serve_stream",
 ]

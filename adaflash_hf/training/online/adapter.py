@@ -244,10 +244,8 @@ class OnlineAdapter:
 
     def train_ready_rounds(self) -> list[Publication]:
         """Runs every round the buffer holds enough samples for, in this thread; returns the publications."""
-        publications = []
-        for domain in self.trainer.ready():
-            publications.append(self.trainer.run_round(domain))
-        return publications
+        publications = [self.trainer.run_round(domain) for domain in self.trainer.ready()]
+        return [publication for publication in publications if publication is not None]
 
     def start(self) -> None:
         """Starts the background trainer thread (idempotent)."""

@@ -91,21 +91,28 @@ class RoundTrainer:
             return [None] if len(self.buffer) >= threshold else []
         return sorted(d for d, n in self.buffer.domain_counts().items() if d is not None and n >= threshold)
 
-    def run_round(self, domain: str | None = None) -> Publication:
+    def run_round(self, domain: str | None = None) -> Publication | None:
+        """One round on the oldest buffered samples (of ``domain``); returns its publication, or ``None`` when no
+        sample was long enough to train on (a response needs more than ``block_size`` tokens to hold a block)."""
         channel = channel_for(self.config.mode, domain)
         samples = self.buffer.take(self.config.train_threshold, domain)
+        consumed = [s.sample_id for s in samples]
+        trainable = [s for s in samples if len(s.completion_ids) > self.drafter_config.block_size]
+        if not trainable:
+            self.buffer.remove(consumed)
+            self.metrics.write("round_skipped", channel=channel, samples=len(samples), reason="responses too short")
+            return None
         started = time.perf_counter()
         run_dir = self.store.root / ".runs" / channel
         shutil.rmtree(run_dir, ignore_errors=True)
         student, peft_config = self._student_for(channel)
-        args = self._round_args(run_dir, len(samples))
         dataset = Dataset.from_dict(
-            {"prompt_ids": [s.prompt_ids for s in samples], "completion_ids": [s.completion_ids for s in samples]}
+            {"prompt_ids": [s.prompt_ids for s in trainable], "completion_ids": [s.completion_ids for s in trainable]}
         )
         trainer = OPDTrainer(
             model=student,
             teacher_model=self.target,
-            args=args,
+            args=self._round_args(run_dir, len(trainable)),
             train_dataset=dataset,
             processing_class=self.tokenizer,
             peft_config=peft_config,
@@ -116,8 +123,12 @@ class RoundTrainer:
         trained = trainer.accelerator.unwrap_model(trainer.model).eval()
         if self.config.mode == "drafter":
             self._student = trained
-        consumed = [s.sample_id for s in samples]
-        info = {"samples": len(samples), "steps": trainer.state.global_step, "loss": round(result.training_loss, 4)}
+        info = {
+            "samples": len(samples),
+            "trained_on": len(trainable),
+            "steps": trainer.state.global_step,
+            "loss": round(result.training_loss, 4),
+        }
         publication = self.store.publish(channel, lambda directory: _save(trained, directory), consumed, info)
         self.buffer.remove(consumed)
         self.publications += 1
