@@ -145,7 +145,7 @@ def bench(args) -> int:
     from tqdm.auto import tqdm
 
     from adaflash_hf.bench.harness import METHODS, records_as_dicts, run_benchmark
-    from adaflash_hf.bench.report import markdown_table, plot_records
+    from adaflash_hf.bench.report import markdown_table, plot_records, summary_tables
 
     target, tokenizer, drafter, ar_draft, prompts = load_models(args)
     quick = {"batch_sizes": "1,8", "prompts_per_domain": 8, "max_new_tokens": 64}
@@ -169,7 +169,7 @@ def bench(args) -> int:
             repeats=args.repeats,
             progress=progress,
         )
-    table = markdown_table(records)
+    table = markdown_table(records) + "\n\n" + summary_tables(records)
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(records_as_dicts(records), indent=2) + "\n")

@@ -39,7 +39,7 @@ def test_harness_records_every_usable_method(word_tokenizer):
 
 
 def test_report_table_and_plots(tmp_path, word_tokenizer):
-    from adaflash_hf.bench.report import markdown_table, plot_records
+    from adaflash_hf.bench.report import markdown_table, plot_records, summary_tables
 
     target = tiny_target()
     target.generation_config.pad_token_id = 2
@@ -55,6 +55,11 @@ def test_report_table_and_plots(tmp_path, word_tokenizer):
     )
     table = markdown_table(records)
     assert table.count("\n") == 1 + len(records) and "| adaflash_fixed | 2 | x | float32 |" in table
+    summary = summary_tables(records).splitlines()
+    assert summary[0] == "| method | x | mean speedup |" and summary[3].startswith("| plain | ")
+    fixed_at_two = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 2)
+    expected = f"| 2 | adaflash_fixed | {fixed_at_two.tokens_per_s:.0f} | {fixed_at_two.speedup:.2f}x |"
+    assert any(line.startswith(expected) for line in summary)
     paths = plot_records(records, tmp_path)
     assert [p.name for p in paths] == ["acceptance_per_domain.png", "throughput_vs_batch.png"]
     assert all(p.stat().st_size > 1000 for p in paths)

@@ -29,6 +29,42 @@ def markdown_table(records) -> str:
     return "\n".join(lines)
 
 
+def summary_tables(records) -> str:
+    """The two summaries of BENCHMARKS.md: batch 1 per domain (tokens/s / speedup / acceptance length, with the
+    mean speedup), and the batch sweep averaged over domains."""
+    domains = sorted({r.domain for r in records})
+    batch_one = defaultdict(dict)
+    for r in records:
+        if r.batch_size == 1:
+            batch_one[r.method][r.domain] = r
+    lines = ["| method | " + " | ".join(domains) + " | mean speedup |", "|" + "---|" * (len(domains) + 2)]
+    for method, by_domain in sorted(batch_one.items()):
+        cells = [_batch_one_cell(by_domain[d]) if d in by_domain else "-" for d in domains]
+        mean = sum(r.speedup for r in by_domain.values()) / len(by_domain)
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean:.2f}x |")
+    sweep = defaultdict(list)
+    for r in records:
+        sweep[(r.batch_size, r.method)].append(r)
+    lines += [
+        "",
+        "| batch | method | tokens/s | speedup vs plain | acceptance length | verified tokens per emitted token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (batch, method), group in sorted(sweep.items()):
+        if batch == 1 and method not in ("plain", "adaflash_fixed", "adaflash_adaptive"):
+            continue
+        mean = {c: sum(getattr(r, c) for r in group) / len(group) for c in COLUMNS[4:8]}
+        lines.append(
+            f"| {batch} | {method} | {mean['tokens_per_s']:.0f} | {mean['speedup']:.2f}x | "
+            f"{mean['mean_acceptance_length']:.2f} | {mean['verified_per_emitted']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _batch_one_cell(record) -> str:
+    return f"{record.tokens_per_s:.0f} / {record.speedup:.2f}x / {record.mean_acceptance_length:.2f}"
+
+
 def plot_records(records, folder) -> list[Path]:
     """`acceptance_per_domain.png` (batch 1) and `throughput_vs_batch.png` (mean over domains)."""
     import matplotlib
