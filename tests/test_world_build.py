@@ -268,3 +268,9 @@ def test_shipped_world_is_complete_and_consistent():
         rows = load_prompts(domain)
         assert len(rows) == 32
         assert all(len(tokenizer(row["prompt"])["input_ids"]) == row["prompt_tokens"] for row in rows)
+    for domain in (*DOMAINS, UNSEEN_DOMAIN):
+        assert len(load_stream(domain)) == 256
+    assert len(load_stream(UNSEEN_DOMAIN, heldout=True)) == 32
+    report = json.loads(world_artifact("report.json").read_text())
+    steps = {stage: report["stages"][stage]["training"]["steps"] for stage in ("target", "ar_draft")}
+    assert steps == {"target": 840, "ar_draft": 300} and report["stages"]["drafter"]["steps"] == 950  # pinned
