@@ -260,11 +260,15 @@ def online(args) -> int:
         runs[label] = adapter.metrics.rows()
         print(f"\n{label}: {json.dumps(adapter.status)}")
     summary = {label: _online_summary(rows, acceptance_by_version) for label, rows in runs.items()}
+    if args.compare:
+        _pair_with_baseline(summary["adapted"]["by_version"], runs["adapted"], runs["not adapted"])
     for label, entry in summary.items():
-        print(f"\n{label}\n| version | requests | acceptance length | verify length | tok/s |\n|---|---|---|---|---|")
+        print(f"\n{label}\n| version | requests | acceptance length | not adapted, same requests | verify | tok/s |")
+        print("|---|---|---|---|---|---|")
         for row in entry["by_version"]:
             print(
                 f"| {row['version']} | {row['requests']} | {row['mean_acceptance_length']:.2f} | "
+                f"{row.get('not_adapted_same_requests', row['mean_acceptance_length']):.2f} | "
                 f"{row['mean_verify_length']:.2f} | {row['tokens_per_s']:.0f} |"
             )
         print("| domain | first quarter | last quarter |\n|---|---|---|")
@@ -275,6 +279,16 @@ def online(args) -> int:
     if args.plot:
         print(f"wrote {plot_acceptance(runs, args.plot, title=args.domain if not args.prompts else '')}")
     return 0
+
+
+def _pair_with_baseline(by_version: list[dict], adapted: list[dict], baseline: list[dict]) -> None:
+    """Adds, per drafter version, the not-adapted run's acceptance on exactly the requests that version served (both
+    runs serve the same stream in the same order, so request rows align)."""
+    adapted = [row for row in adapted if row["event"] == "request"]
+    baseline = [row for row in baseline if row["event"] == "request"]
+    for entry in by_version:
+        served = [i for i, row in enumerate(adapted) if row["version"] == entry["version"]]
+        entry["not_adapted_same_requests"] = sum(baseline[i]["mean_acceptance_length"] for i in served) / len(served)
 
 
 def _online_summary(rows: list[dict], by_version) -> dict:

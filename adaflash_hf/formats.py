@@ -83,8 +83,8 @@ def config_from_dict(raw: dict, source: str = "config.json", **overrides) -> Ada
     """Builds an `AdaFlashConfig` from a z-lab DFlash, AdaFlash or native `config.json` dict."""
     if raw.get("model_type") == AdaFlashConfig.model_type:
         fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
-    elif _is_dflash_dict(raw):
-        fields = _fields_from_dflash_dict(raw, source)
+    elif is_dflash_dict(raw):
+        fields = fields_from_dflash_dict(raw, source)
     else:
         raise CheckpointError(
             f"{source} is not a DFlash or AdaFlash drafter config (model_type={raw.get('model_type')!r}, "
@@ -98,11 +98,11 @@ def config_from_dict(raw: dict, source: str = "config.json", **overrides) -> Ada
         raise CheckpointError(f"{source} is malformed: {_root_message(error)}") from error
 
 
-def _is_dflash_dict(raw: dict) -> bool:
+def is_dflash_dict(raw: dict) -> bool:
     return DFLASH_ARCHITECTURE in (raw.get("architectures") or []) or isinstance(raw.get("dflash_config"), dict)
 
 
-def _fields_from_dflash_dict(raw: dict, source: str) -> dict:
+def fields_from_dflash_dict(raw: dict, source: str) -> dict:
     missing = [key for key in _REQUIRED_KEYS if key not in raw]
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):

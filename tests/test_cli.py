@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from adaflash_hf.cli import main
 
 
@@ -57,6 +59,8 @@ def test_online_adapts_on_the_unseen_stream_and_compares_with_the_baseline(tmp_p
     result = json.loads(summary.read_text())
     assert [row["version"] for row in result["adapted"]["by_version"]] == [0, 1]  # v2 is published after the last
     assert [row["version"] for row in result["not adapted"]["by_version"]] == [0]
+    first = result["adapted"]["by_version"][0]  # version 0 served the same requests with the same drafter in both
+    assert first["not_adapted_same_requests"] == pytest.approx(first["mean_acceptance_length"])
     assert result["adapted"]["requests"] == result["not adapted"]["requests"] == 8
     assert set(result["adapted"]["by_domain"]) == {"changelog"}
     assert plot.stat().st_size > 0 and (swap / "adapted" / "published" / "drafter" / "LATEST.json").exists()

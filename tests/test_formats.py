@@ -45,6 +45,16 @@ def test_hub_layout_loads_with_no_missing_or_unexpected_keys(tmp_path, kind):
         assert drafter.length_head is None  # never a silently random head
 
 
+@pytest.mark.parametrize("kind", ["dflash", "adaflash"])
+def test_config_from_pretrained_reads_the_official_schema(tmp_path, kind):
+    write_hub_checkpoint(tmp_path, kind)
+    config = AdaFlashConfig.from_pretrained(tmp_path)  # what PEFT calls on the base model when saving an adapter
+    loaded = AdaFlashDrafter.from_pretrained(tmp_path).config
+    loaded_fields = {key: value for key, value in loaded.to_diff_dict().items() if key != "dtype"}  # set by loading
+    assert config.to_diff_dict() == loaded_fields
+    assert (config.mask_token_id, config.block_size, config.use_length_head) == (MASK_ID, 8, kind == "adaflash")
+
+
 def test_loading_never_executes_repository_code(tmp_path):
     write_hub_checkpoint(tmp_path)
     AdaFlashDrafter.from_pretrained(tmp_path, trust_remote_code=True)  # dflash.py raises if imported

@@ -9,6 +9,7 @@ import pytest
 import torch
 from synthetic import opd_args, prompts, synthetic_drafter
 
+from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.training.online import (
     OnlineAdapter,
     OnlineConfig,
@@ -261,7 +262,9 @@ def _domains(texts):
 
 def test_domain_adapters_route_per_row_in_mixed_batches_losslessly(target, tokenizer, tmp_path):
     config = _config(tmp_path, mode="domain_adapters")
-    base = synthetic_drafter(target, tokenizer)
+    # Loaded from an official-schema checkpoint, as in serving: PEFT re-reads that config when saving adapters.
+    synthetic_drafter(target, tokenizer).save_pretrained(tmp_path / "drafter")
+    base = AdaFlashDrafter.from_pretrained(tmp_path / "drafter")
     base_weights = {name: tensor.clone() for name, tensor in base.state_dict().items()}
     adapter = OnlineAdapter(target, base, tokenizer, config)
     texts = prompts(96, seed=12)
