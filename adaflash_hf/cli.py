@@ -206,6 +206,7 @@ def _stream(args) -> tuple[list[str], list[str | None]]:
 def online(args) -> int:
     """Serves a prompt stream through an `OnlineAdapter` (adapted, and with --compare also not adapted), then
     prints acceptance per drafter version and writes metrics, a summary and a plot."""
+    import copy
     from dataclasses import replace
 
     from tqdm.auto import tqdm
@@ -220,7 +221,6 @@ def online(args) -> int:
         )
     target, tokenizer, drafter, _, _ = load_models(args)
     texts, domains = _stream(args)
-    initial = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
     training_args = OPDConfig(
         output_dir=str(root / ".runs"),
         per_device_train_batch_size=args.train_batch_size,
@@ -242,12 +242,12 @@ def online(args) -> int:
     generate = dict(max_new_tokens=args.max_new_tokens or 128, do_sample=False)
     runs = {}
     for label, adapt in (("adapted", True), ("not adapted", False))[: 2 if args.compare else 1]:
-        drafter.load_state_dict(initial)
+        served = copy.deepcopy(drafter)  # each run adapts (or wraps, for domain adapters) its own copy
         run_config = replace(config, swap_dir=str(root / label.replace(" ", "_")))
         with tqdm(total=len(texts), desc=f"online ({label})", unit="request", file=sys.stderr) as progress:
             adapter = serve_stream(
                 target,
-                drafter,
+                served,
                 tokenizer,
                 texts,
                 run_config,

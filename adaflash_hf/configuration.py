@@ -120,15 +120,16 @@ class AdaFlashConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs):
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
         """Also reads the official z-lab DFlash schema (``model_type: qwen3`` with a ``dflash_config``), so
         `AdaFlashConfig.from_pretrained` accepts every checkpoint `AdaFlashDrafter.from_pretrained` does (PEFT reads
         a base model's config this way when it saves an adapter)."""
         from .formats import fields_from_dflash_dict, is_dflash_dict
 
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         if config_dict.get("model_type") != cls.model_type and is_dflash_dict(config_dict):
-            config_dict = fields_from_dflash_dict(config_dict, "config.json")
-        return super().from_dict(config_dict, **kwargs)
+            config_dict = fields_from_dflash_dict(config_dict, f"{pretrained_model_name_or_path}/config.json")
+        return config_dict, kwargs
 
     def validate_architecture(self):
         """Checks that hold for any drafter, independent of the target it is paired with."""

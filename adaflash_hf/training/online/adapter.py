@@ -47,7 +47,8 @@ class OnlineAdapter:
 
     Args:
         target: the target `PreTrainedModel` (frozen; it generates and teaches).
-        drafter: its `AdaFlashDrafter`; in ``domain_adapters`` mode it becomes the frozen base of the adapters.
+        drafter: its `AdaFlashDrafter`, updated in place by each adopted version; in ``domain_adapters`` mode it is
+            the frozen base of the adapters, which PEFT injects into it in place (pass a copy to keep it bare).
         tokenizer: the target's tokenizer (padding and EOS for the buffered samples).
         config: `OnlineConfig`.
         start: start the background trainer now (``config.background``); else call `start()` later.

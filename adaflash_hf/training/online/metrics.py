@@ -68,30 +68,38 @@ def acceptance_by_version(rows: list[dict]) -> list[dict]:
     ]
 
 
+def _rolling_mean(values: list[float], window: int) -> list[float]:
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
+
+
 def plot_acceptance(runs: dict[str, list[dict]], path: str | os.PathLike, title: str = "") -> Path:
-    """Draws mean acceptance length per request (rolling over 16 requests) against the request index, and per
-    drafter version, for each labelled run (e.g. ``{"adapted": rows, "not adapted": rows}``)."""
+    """Draws, for runs that served the same stream (e.g. ``{"adapted": rows, "not adapted": rows}``): acceptance
+    length per request (rolling mean of 16) against the request index, and the mean acceptance length per drafter
+    version of the *first* run, every run averaged over the requests that version served (a paired comparison)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (by_request, by_version) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, rows in runs.items():
-        requests = [row for row in rows if row.get("event") == "request"]
+    served = [[row for row in rows if row.get("event") == "request"] for rows in runs.values()]
+    versions = [row["version"] for row in served[0]]
+    for label, requests in zip(runs, served):
         values = [row["mean_acceptance_length"] for row in requests]
-        window = 16
-        rolling = [
-            sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
-            for i in range(len(values))
-        ]
-        by_request.plot(range(len(rolling)), rolling, label=label)
-        summary = acceptance_by_version(rows)
-        by_version.plot(
-            [s["version"] for s in summary], [s["mean_acceptance_length"] for s in summary], "o-", label=label
-        )
+        by_request.plot(range(len(values)), _rolling_mean(values, 16), label=label)
+        groups = defaultdict(list)
+        for version, value in zip(versions, values):
+            groups[version].append(value)
+        xs = sorted(groups)
+        by_version.plot(xs, [sum(groups[x]) / len(groups[x]) for x in xs], "o-", label=label)
+    first = next(iter(runs))
     by_request.set(xlabel="request", ylabel="acceptance length (rolling mean of 16)", title=title or "served stream")
-    by_version.set(xlabel="drafter version serving the request", ylabel="mean acceptance length", title="per version")
+    by_version.set(
+        xlabel=f"drafter version serving the request ({first})", ylabel="mean acceptance length", title="per version"
+    )
     for axes in (by_request, by_version):
         axes.grid(alpha=0.3)
         axes.legend()
