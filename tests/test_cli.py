@@ -65,9 +65,20 @@ def test_online_adapts_on_the_unseen_stream_and_compares_with_the_baseline(tmp_p
     assert set(result["adapted"]["by_domain"]) == {"changelog"}
     assert plot.stat().st_size > 0 and (swap / "adapted" / "published" / "drafter" / "LATEST.json").exists()
 
-    try:
+    with pytest.raises(SystemExit, match="is not empty: pass --resume"):
         main(args)
-    except SystemExit as stop:
-        assert "is not empty: pass --resume" in str(stop)
-    else:
-        raise AssertionError("a non-empty --swap-dir must be refused without --resume")
+
+
+def test_online_serves_a_prompt_file_and_names_a_bad_line(tmp_path, capsys):
+    from adaflash_hf.world import load_stream
+
+    rows = [{"prompt": row["prompt"], "domain": "custom"} for row in load_stream("man")[:3]]
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["online", "--prompts", str(stream), "--max-new-tokens", "8", "--swap-dir", str(tmp_path / "a")]
+    assert main(args) == 0
+    assert "| custom |" in capsys.readouterr().out
+
+    stream.write_text(json.dumps({"text": "no prompt field"}) + "\n")
+    with pytest.raises(SystemExit, match="line 1 has no `prompt` field"):
+        main(["online", "--prompts", str(stream), "--swap-dir", str(tmp_path / "b")])
