@@ -43,6 +43,21 @@ def _base_drafter(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def _restore_forward(model) -> None:
+    """Undoes the autocast wrapper accelerate's `prepare_model` puts on ``model.forward`` under bf16/fp16 (in
+    evaluation mode too). OPD reads the teacher's features from its inner model and never needs the wrapper, and
+    leaving it would make the caller's target generate in reduced precision from then on: no longer lossless against
+    the model passed in. (``unwrap_model(keep_fp32_wrapper=False)`` is not used: it also peels transformers' own
+    decorators off ``forward``.)"""
+    original = vars(model).pop("_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__func__", None) is type(model).forward:
+        vars(model).pop("forward", None)  # the class's forward applies again, exactly as before
+    else:
+        model.forward = original
+
+
 class OPDTrainer(DistillationTrainer):
     """Trains ``model`` (an `AdaFlashDrafter`, optionally with a length head, or LoRA adapters on it via
     ``peft_config``) to draft for ``teacher_model`` (its target), which is frozen, as are the target's input
@@ -87,10 +102,7 @@ class OPDTrainer(DistillationTrainer):
             peft_config=peft_config,
         )
         self._check_length_head_trainable()
-        # With bf16/fp16, accelerate's `prepare_model` swaps the teacher's `forward` for an autocast wrapper (in
-        # evaluation mode too). OPD reads features from the inner model and never needs it, and leaving it would make
-        # the caller's target generate in reduced precision from now on: no longer lossless against the model passed.
-        self.accelerator.unwrap_model(self.teacher_model, keep_fp32_wrapper=False)
+        _restore_forward(self.accelerator.unwrap_model(self.teacher_model))
         self._rollout_generation_config = rollout_generation_config(args, self._tokenizer, self.eos_token_ids)
         self._rollout_store = RolloutStore(
             args.rollout_dir or Path(args.output_dir) / "rollouts",
