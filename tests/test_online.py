@@ -118,7 +118,16 @@ def test_rounds_raise_acceptance_over_versions_and_every_output_stays_lossless(t
     assert published.info["samples"] == 16 and (published.path / "config.json").exists()
 
 
-def test_background_trainer_swaps_only_between_requests(target, tokenizer, tmp_path):
+def test_background_trainer_swaps_only_between_requests(target, tokenizer, tmp_path, monkeypatch):
+    built_under_lock = []
+
+    class CheckedTrainer(rounds_module.OPDTrainer):
+        # Building a trainer briefly wraps the target's forward (bf16 autocast); no request may run meanwhile.
+        def __init__(self, *args, **kwargs):
+            built_under_lock.append(adapter._lock._is_owned())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(rounds_module, "OPDTrainer", CheckedTrainer)
     config = _config(tmp_path, background=True, max_versions=2)
     with OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, config) as adapter:
         texts = prompts(48, seed=4)
@@ -133,6 +142,7 @@ def test_background_trainer_swaps_only_between_requests(target, tokenizer, tmp_p
     batches = [versions[i : i + 4] for i in range(0, len(versions), 4)]
     assert all(len(set(batch)) == 1 for batch in batches)  # one version per generate() call
     assert adapter.status["trainer"] == "idle" and adapter.status["trainer_error"] is None
+    assert built_under_lock == [True, True]
 
 
 # ---------------------------------------------------------------------------------------------- faults

@@ -84,6 +84,7 @@ class OnlineAdapter:
             self.buffer,
             self.store,
             self.metrics,
+            serving_lock=self._lock,
         )
         self.trainer.recover()
         self.refresh()

@@ -13,6 +13,7 @@ drafter plus the domain's last published adapter, or a fresh LoRA for a new doma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -54,6 +55,8 @@ class RoundTrainer:
         drafter_config: the served drafter's `AdaFlashConfig`.
         initial_state: returns the state dict a training copy starts from (the served drafter's, or the bare base
             drafter's in domain-adapter mode), read under the serving lock.
+        serving_lock: held while a round's `OPDTrainer` is built. Under bf16, accelerate wraps the target's forward in
+            autocast for a moment there (`OPDTrainer` undoes it before returning); no request may run meanwhile.
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class RoundTrainer:
         buffer: SampleBuffer,
         store: VersionStore,
         metrics: MetricsLog,
+        serving_lock=None,
     ):
         self.target, self.drafter_config, self.initial_state = target, drafter_config, initial_state
+        self.serving_lock = serving_lock if serving_lock is not None else contextlib.nullcontext()
         self.tokenizer, self.config = tokenizer, config
         self.buffer, self.store, self.metrics = buffer, store, metrics
         self.publications = 0
@@ -109,14 +114,15 @@ class RoundTrainer:
         dataset = Dataset.from_dict(
             {"prompt_ids": [s.prompt_ids for s in trainable], "completion_ids": [s.completion_ids for s in trainable]}
         )
-        trainer = OPDTrainer(
-            model=student,
-            teacher_model=self.target,
-            args=self._round_args(run_dir, len(trainable)),
-            train_dataset=dataset,
-            processing_class=self.tokenizer,
-            peft_config=peft_config,
-        )
+        with self.serving_lock:
+            trainer = OPDTrainer(
+                model=student,
+                teacher_model=self.target,
+                args=self._round_args(run_dir, len(trainable)),
+                train_dataset=dataset,
+                processing_class=self.tokenizer,
+                peft_config=peft_config,
+            )
         for callback in (PrinterCallback, ProgressCallback):  # rounds report through the metrics log, not stdout
             trainer.remove_callback(callback)
         result = trainer.train()
