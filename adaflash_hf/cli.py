@@ -268,7 +268,7 @@ def online(args) -> int:
         for row in entry["by_version"]:
             print(
                 f"| {row['version']} | {row['requests']} | {row['mean_acceptance_length']:.2f} | "
-                f"{row.get('not_adapted_same_requests', row['mean_acceptance_length']):.2f} | "
+                f"{_optional(row.get('not_adapted_same_requests'))} | "
                 f"{row['mean_verify_length']:.2f} | {row['tokens_per_s']:.0f} |"
             )
         print("| domain | first quarter | last quarter |\n|---|---|---|")
@@ -279,6 +279,10 @@ def online(args) -> int:
     if args.plot:
         print(f"wrote {plot_acceptance(runs, args.plot, title=args.domain if not args.prompts else '')}")
     return 0
+
+
+def _optional(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _pair_with_baseline(by_version: list[dict], adapted: list[dict], baseline: list[dict]) -> None:
