@@ -212,7 +212,7 @@ def online(args) -> int:
     from tqdm.auto import tqdm
 
     from adaflash_hf.training import OPDConfig
-    from adaflash_hf.training.online import OnlineConfig, acceptance_by_version, plot_acceptance, serve_stream
+    from adaflash_hf.training.online import OnlineConfig, plot_acceptance, serve_stream
 
     root = Path(args.swap_dir)
     if root.exists() and any(root.iterdir()) and not args.resume:
@@ -259,7 +259,7 @@ def online(args) -> int:
             )
         runs[label] = adapter.metrics.rows()
         print(f"\n{label}: {json.dumps(adapter.status)}")
-    summary = {label: _online_summary(rows, acceptance_by_version) for label, rows in runs.items()}
+    summary = {label: _online_summary(rows) for label, rows in runs.items()}
     if args.compare:
         _pair_with_baseline(summary["adapted"]["by_version"], runs["adapted"], runs["not adapted"])
     for label, entry in summary.items():
@@ -295,8 +295,10 @@ def _pair_with_baseline(by_version: list[dict], adapted: list[dict], baseline: l
         entry["not_adapted_same_requests"] = sum(baseline[i]["mean_acceptance_length"] for i in served) / len(served)
 
 
-def _online_summary(rows: list[dict], by_version) -> dict:
+def _online_summary(rows: list[dict]) -> dict:
     """Acceptance per version, and per domain over the first and the last quarter of the stream."""
+    from adaflash_hf.training.online import acceptance_by_version
+
     requests = [row for row in rows if row["event"] == "request"]
     quarter = max(len(requests) // 4, 1)
     by_domain = {}
@@ -308,7 +310,7 @@ def _online_summary(rows: list[dict], by_version) -> dict:
         "requests": len(requests),
         "first_quarter": sum(r["mean_acceptance_length"] for r in requests[:quarter]) / quarter,
         "last_quarter": sum(r["mean_acceptance_length"] for r in requests[-quarter:]) / quarter,
-        "by_version": by_version(rows),
+        "by_version": acceptance_by_version(rows),
         "by_domain": by_domain,
     }
 

@@ -14,11 +14,13 @@ from .rollouts import generate_completions
 @dataclass
 class AcceptanceStats:
     """mean_acceptance_length: committed tokens per target verification (accepted drafts + 1), prefill excluded.
-    num_steps: verification steps (row-steps). num_tokens: tokens they committed."""
+    num_steps: verification steps (row-steps). num_tokens: tokens they committed. verified_per_emitted: tokens the
+    target verified per committed token (what the length policy saves)."""
 
     mean_acceptance_length: float
     num_steps: int
     num_tokens: int
+    verified_per_emitted: float
 
 
 @torch.no_grad()
@@ -46,4 +48,9 @@ def measure_acceptance(
         generate_completions(target, prompts, config, pad_token_id, batch_size=batch_size, assistant_model=drafter)
     if not stats.verification_steps:
         raise ValueError("No prompt produced a response of at least 2 tokens; raise max_new_tokens.")
-    return AcceptanceStats(stats.mean_acceptance_length, stats.verification_steps, stats.emitted_tokens)
+    return AcceptanceStats(
+        stats.mean_acceptance_length,
+        stats.verification_steps,
+        stats.emitted_tokens,
+        stats.verified_tokens_per_emitted_token,
+    )

@@ -107,8 +107,6 @@ def generate_completions(
     ``assistant_model`` (the current drafter) makes ``target.generate`` speculative: faster, with the same outputs
     under greedy decoding and the same distribution under sampling.
     """
-    eos = generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     device = next(target.parameters()).device
     completions = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="Generating rollouts", leave=False):
@@ -126,10 +124,16 @@ def generate_completions(
             generation_config=generation_config,
             **extra,
         )
-        for new_tokens in output[:, width:].tolist():
-            ends = [i for i, token in enumerate(new_tokens) if token in eos_ids]
-            completions.append(new_tokens[: ends[0] + 1] if ends else new_tokens)
+        completions += [cut_after_eos(new_tokens, generation_config) for new_tokens in output[:, width:].tolist()]
     return completions
+
+
+def cut_after_eos(new_tokens: list[int], generation_config: GenerationConfig) -> list[int]:
+    """A row's generated ids up to and including its first end-of-sequence token (the padding after it dropped)."""
+    eos = generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    end = next((i for i, token in enumerate(new_tokens) if token in eos_ids), None)
+    return new_tokens if end is None else new_tokens[: end + 1]
 
 
 def rollout_generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:

@@ -18,10 +18,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
 from ..configuration import AdaFlashConfig
-from ..generation.stats import record_stats
 from ..modeling import AdaFlashDrafter
-from ..training import OPDConfig, OPDTrainer
-from ..training.rollouts import generate_completions
+from ..training import OPDConfig, OPDTrainer, measure_acceptance
 from .corpus import DOMAINS
 from .files import atomic_directory, read_jsonl
 from .packing import load_streams
@@ -166,7 +164,6 @@ def build_drafter(
     }
 
 
-@torch.no_grad()
 def evaluate_drafter(target, drafter, tokenizer, prompts_dir: Path, new_tokens: int) -> dict:
     """Per domain, on the held-out prompts: mean acceptance length with the fixed block and with the adaptive
     length policy, and the tokens verified per emitted token of each (fp32 greedy, batch 8)."""
@@ -175,24 +172,18 @@ def evaluate_drafter(target, drafter, tokenizer, prompts_dir: Path, new_tokens: 
         prompts = [tokenizer(row["prompt"])["input_ids"] for row in read_jsonl(Path(prompts_dir) / f"{domain}.jsonl")]
         results[domain] = {}
         for policy in ("fixed", "adaptive"):
-            stats = _policy_stats(target, drafter, prompts, tokenizer, policy, new_tokens)
+            stats = measure_acceptance(
+                target,
+                drafter,
+                prompts,
+                max_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                batch_size=8,
+                length_policy=policy,
+            )
             results[domain][policy] = {
                 "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
-                "verified_per_emitted": round(stats.verified_tokens_per_emitted_token, 3),
+                "verified_per_emitted": round(stats.verified_per_emitted, 3),
             }
     return results
-
-
-def _policy_stats(target, drafter, prompts, tokenizer, policy, new_tokens):
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        adaflash_length_policy=policy,
-    )
-    with record_stats() as stats:
-        generate_completions(target, prompts, config, tokenizer.pad_token_id, batch_size=8, assistant_model=drafter)
-    return stats

@@ -29,6 +29,7 @@ from transformers import GenerationConfig
 
 from ...generation.stats import record_stats
 from ...modeling import AdaFlashDrafter
+from ..rollouts import cut_after_eos
 from .buffer import SampleBuffer, check_domain
 from .config import OnlineConfig
 from .metrics import MetricsLog
@@ -123,7 +124,7 @@ class OnlineAdapter:
                 )
                 seconds = time.perf_counter() - started
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
-            self._record(input_ids, attention_mask, sequences, domains, versions, stats, seconds)
+            self._record(input_ids, attention_mask, sequences, domains, versions, stats, seconds, generation_config)
         if not self.config.background and self._failures < self.config.max_consecutive_failures:
             self._train_safely()
         return output
@@ -143,33 +144,26 @@ class OnlineAdapter:
     def _has_adapter(self, domain: str) -> bool:
         return ADAPTER_CHANNEL_PREFIX + domain in self.versions
 
-    def _record(self, input_ids, attention_mask, sequences, domains, versions, stats, seconds) -> None:
-        prompt_len = input_ids.shape[1]
-        eos = self.tokenizer.eos_token_id
+    def _record(self, input_ids, attention_mask, sequences, domains, versions, stats, seconds, generation_config):
+        """Buffers every row (prompt without padding, response cut after EOS) and writes its metrics row."""
+        completions = [cut_after_eos(row, generation_config) for row in sequences[:, input_ids.shape[1] :].tolist()]
+        tokens_per_s = sum(map(len, completions)) / seconds
         call = stats.calls[0] if stats.calls else None
-        new_tokens = 0
-        rows = []
-        for row, domain in enumerate(domains):
+        for row, (domain, completion) in enumerate(zip(domains, completions)):
             prompt = input_ids[row] if attention_mask is None else input_ids[row][attention_mask[row].bool()]
-            completion = sequences[row, prompt_len:].tolist()
-            if eos in completion:
-                completion = completion[: completion.index(eos) + 1]
-            new_tokens += len(completion)
             figures = call.row(row) if call is not None else {"steps": 0, "verified_tokens": 0, "emitted_tokens": 0}
             steps = max(figures["steps"], 1)
-            rows.append((prompt.tolist(), completion, domain, versions[row], figures, steps))
-        for prompt, completion, domain, version, figures, steps in rows:
-            self.buffer.add(prompt, completion, domain, version)
+            self.buffer.add(prompt.tolist(), completion, domain, versions[row])
             self.metrics.write(
                 "request",
                 request=self._requests,
-                version=version,
+                version=versions[row],
                 domain=domain,
                 batch_size=len(domains),
                 prompt_tokens=len(prompt),
                 new_tokens=len(completion),
                 seconds=round(seconds, 4),
-                tokens_per_s=round(new_tokens / seconds, 2),
+                tokens_per_s=round(tokens_per_s, 2),
                 mean_acceptance_length=round(figures["emitted_tokens"] / steps, 4),
                 mean_verify_length=round(figures["verified_tokens"] / steps, 4),
             )
