@@ -208,9 +208,9 @@ class OnlineAdapter:
 
     def _adopt(self, publication: Publication) -> None:
         if publication.channel == DRAFTER_CHANNEL:
-            loaded = AdaFlashDrafter.from_pretrained(str(publication.path))
             if self.config.mode != "drafter":
                 raise PublishError("a drafter publication in domain_adapters mode; the base drafter stays fixed")
+            loaded = AdaFlashDrafter.from_pretrained(str(publication.path))
             # strict: every key and shape must match the served drafter before a single weight is overwritten
             self.base_drafter.load_state_dict(loaded.state_dict(), strict=True)
             return
