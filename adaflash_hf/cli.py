@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-WORLD_DIR = Path(__file__).parent / "world" / "data"
+from .utils import read_jsonl
+
+DEMO_INSTALL = "pip install ./demo"  # run in a clone of the repository; `make install` does it too
 GENERIC_PROMPTS = {
     "chat": [
         "Explain in a few sentences why the sky is blue.",
@@ -34,6 +37,21 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def demo_package(verb: str, module: str):
+    """Imports ``adaflash_demo.<module>``: the demo world and benchmark ship in the separate ``adaflash-demo``
+    distribution, so the library installs without their weights and data."""
+    try:
+        return importlib.import_module(f"adaflash_demo.{module}")
+    except ModuleNotFoundError as error:
+        if error.name not in ("adaflash_demo", f"adaflash_demo.{module}"):
+            raise
+        sys.exit(
+            f"`adaflash {verb}` needs the demo distribution `adaflash-demo`, which is not installed: run "
+            f"`{DEMO_INSTALL}` in a clone of the adaflash-hf repository (or `make install`)"
+            + ("." if verb == "bench" else ", or pass --target and --drafter.")
+        )
+
+
 def load_models(args):
     """Target, tokenizer, drafter, optional AR draft model and prompts, from the demo world or the given ids."""
     import torch
@@ -41,38 +59,28 @@ def load_models(args):
 
     from adaflash_hf import AdaFlashDrafter
 
-    world = args.target is None
-    if world and not (WORLD_DIR / "target").exists():
-        sys.exit(
-            f"The demo world is not built ({WORLD_DIR} is missing): run `python trainers/build_demo_world.py`, "
-            "or pass --target and --drafter."
-        )
-    if not world and args.drafter is None:
-        sys.exit("--target needs --drafter (an AdaFlash or z-lab DFlash drafter for that target)")
     dtype = getattr(torch, args.dtype)
-    target_path = str(WORLD_DIR / "target") if world else args.target
-    drafter_path = str(WORLD_DIR / "drafter") if args.drafter is None else args.drafter
-    tokenizer_path = args.tokenizer or (str(WORLD_DIR / "tokenizer") if world else target_path)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if args.target is None:
+        world = demo_package(args.command, "world")
+        try:
+            target_path, tokenizer_path = world.world_artifact("target"), world.world_artifact("tokenizer")
+            drafter_path = args.drafter or world.world_artifact("drafter")
+            prompts = world.prompts_by_domain()
+        except FileNotFoundError as error:
+            sys.exit(f"{error} Or pass --target and --drafter.")
+        tokenizer_path = args.tokenizer or tokenizer_path
+        ar_draft = world.load_world_model("ar_draft", dtype).to(args.device) if args.command == "bench" else None
+    else:
+        if args.drafter is None:
+            sys.exit("--target needs --drafter (an AdaFlash or z-lab DFlash drafter for that target)")
+        target_path, drafter_path, tokenizer_path, ar_draft = args.target, args.drafter, args.tokenizer, None
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or target_path))
     tokenizer.padding_side = "left"
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(args.device).eval()
-    drafter = AdaFlashDrafter.from_pretrained(drafter_path, dtype=dtype).to(args.device).eval()
-    ar_draft = None
-    if world and (WORLD_DIR / "ar_draft").exists():
-        ar_draft = (
-            AutoModelForCausalLM.from_pretrained(str(WORLD_DIR / "ar_draft"), dtype=dtype).to(args.device).eval()
-        )
-    prompts = _world_prompts() if world else _chat_prompts(tokenizer)
+    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(args.device).eval()
+    drafter = AdaFlashDrafter.from_pretrained(str(drafter_path), dtype=dtype).to(args.device).eval()
+    if args.target is not None:
+        prompts = _chat_prompts(tokenizer)
     return target, tokenizer, drafter, ar_draft, prompts
-
-
-def _world_prompts() -> dict[str, list[str]]:
-    prompts: dict[str, list[str]] = {}
-    for path in sorted((WORLD_DIR / "prompts").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            prompts.setdefault(row["domain"], []).append(row["prompt"])
-    return prompts
 
 
 def _chat_prompts(tokenizer) -> dict[str, list[str]]:
@@ -144,9 +152,7 @@ def bench(args) -> int:
     """All methods side by side; writes JSON records, a markdown table and PNG plots."""
     from tqdm.auto import tqdm
 
-    from adaflash_hf.bench.harness import METHODS, records_as_dicts, run_benchmark
-    from adaflash_hf.bench.report import markdown_table, plot_records, summary_tables
-
+    harness, report = demo_package("bench", "bench.harness"), demo_package("bench", "bench.report")
     target, tokenizer, drafter, ar_draft, prompts = load_models(args)
     quick = {"batch_sizes": "1,8", "prompts_per_domain": 8, "max_new_tokens": 64}
     full = {"batch_sizes": "1,8,32", "prompts_per_domain": 32, "max_new_tokens": 128}
@@ -157,27 +163,27 @@ def bench(args) -> int:
     chosen = {d: texts[: args.prompts_per_domain] for d, texts in prompts.items()}
     steps = sum(len(t) // b for t in chosen.values() for b in batch_sizes) * args.repeats
     with tqdm(total=steps, desc="bench", unit="batch", file=sys.stderr) as progress:
-        records = run_benchmark(
+        records = harness.run_benchmark(
             target,
             tokenizer,
             chosen,
             drafter=drafter,
             ar_draft=ar_draft,
-            methods=args.methods.split(",") if args.methods else METHODS,
+            methods=args.methods.split(",") if args.methods else harness.METHODS,
             batch_sizes=batch_sizes,
             max_new_tokens=args.max_new_tokens,
             repeats=args.repeats,
             progress=progress,
         )
-    table = markdown_table(records) + "\n\n" + summary_tables(records)
+    table = report.markdown_table(records) + "\n\n" + report.summary_tables(records)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps(records_as_dicts(records), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(harness.records_as_dicts(records), indent=2) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     if args.plots:
         os.makedirs(args.plots, exist_ok=True)
-        for path in plot_records(records, args.plots):
+        for path in report.plot_records(records, args.plots):
             print(f"wrote {path}")
     return 0
 
@@ -189,15 +195,14 @@ def _stream(args) -> tuple[list[str], list[str | None]]:
     """Prompts and domain tags of the simulated stream: a JSONL file, or the demo world's stream files
     (``--domain all`` interleaves every domain's stream)."""
     if args.prompts:
-        rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        rows = read_jsonl(args.prompts)
         missing = [i for i, row in enumerate(rows) if "prompt" not in row]
         if missing:
             sys.exit(f"{args.prompts}: line {missing[0] + 1} has no `prompt` field (rows: prompt, optional domain)")
     else:
-        from adaflash_hf.world import DOMAINS, UNSEEN_DOMAIN, load_stream
-
-        names = [*DOMAINS, UNSEEN_DOMAIN] if args.domain == "all" else [args.domain]
-        streams = [load_stream(name, data_dir=WORLD_DIR) for name in names]
+        world = demo_package("online", "world")
+        names = [*world.DOMAINS, world.UNSEEN_DOMAIN] if args.domain == "all" else [args.domain]
+        streams = [world.load_stream(name) for name in names]
         rows = [row for group in zip(*streams) for row in group]  # round-robin: a mixed-domain stream
     rows = rows[: args.num_requests]
     return [row["prompt"] for row in rows], [row.get("domain") for row in rows]
@@ -211,9 +216,12 @@ def online(args) -> int:
 
     from tqdm.auto import tqdm
 
+    from adaflash_hf.online import OnlineConfig, online_summary, pair_with_baseline, plot_acceptance, serve_stream
+    from adaflash_hf.online.metrics import pyplot
     from adaflash_hf.training import OPDConfig
-    from adaflash_hf.training.online import OnlineConfig, plot_acceptance, serve_stream
 
+    if args.plot:
+        pyplot()  # fail before serving the stream, not after, when the optional matplotlib is missing
     root = Path(args.swap_dir)
     if root.exists() and any(root.iterdir()) and not args.resume:
         sys.exit(
@@ -259,9 +267,9 @@ def online(args) -> int:
             )
         runs[label] = adapter.metrics.rows()
         print(f"\n{label}: {json.dumps(adapter.status)}")
-    summary = {label: _online_summary(rows) for label, rows in runs.items()}
+    summary = {label: online_summary(rows) for label, rows in runs.items()}
     if args.compare:
-        _pair_with_baseline(summary["adapted"]["by_version"], runs["adapted"], runs["not adapted"])
+        pair_with_baseline(summary["adapted"]["by_version"], runs["adapted"], runs["not adapted"])
     for label, entry in summary.items():
         print(f"\n{label}\n| version | requests | acceptance length | not adapted, same requests | verify | tok/s |")
         print("|---|---|---|---|---|---|")
@@ -283,36 +291,6 @@ def online(args) -> int:
 
 def _optional(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def _pair_with_baseline(by_version: list[dict], adapted: list[dict], baseline: list[dict]) -> None:
-    """Adds, per drafter version, the not-adapted run's acceptance on exactly the requests that version served (both
-    runs serve the same stream in the same order, so request rows align)."""
-    adapted = [row for row in adapted if row["event"] == "request"]
-    baseline = [row for row in baseline if row["event"] == "request"]
-    for entry in by_version:
-        served = [i for i, row in enumerate(adapted) if row["version"] == entry["version"]]
-        entry["not_adapted_same_requests"] = sum(baseline[i]["mean_acceptance_length"] for i in served) / len(served)
-
-
-def _online_summary(rows: list[dict]) -> dict:
-    """Acceptance per version, and per domain over the first and the last quarter of the stream."""
-    from adaflash_hf.training.online import acceptance_by_version
-
-    requests = [row for row in rows if row["event"] == "request"]
-    quarter = max(len(requests) // 4, 1)
-    by_domain = {}
-    for domain in dict.fromkeys(str(row["domain"]) for row in requests):
-        own = [row["mean_acceptance_length"] for row in requests if str(row["domain"]) == domain]
-        part = max(len(own) // 4, 1)
-        by_domain[domain] = (sum(own[:part]) / part, sum(own[-part:]) / part)
-    return {
-        "requests": len(requests),
-        "first_quarter": sum(r["mean_acceptance_length"] for r in requests[:quarter]) / quarter,
-        "last_quarter": sum(r["mean_acceptance_length"] for r in requests[-quarter:]) / quarter,
-        "by_version": acceptance_by_version(rows),
-        "by_domain": by_domain,
-    }
 
 
 # ---------------------------------------------------------------------------------------------- entry

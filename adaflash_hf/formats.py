@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from transformers.utils.hub import cached_file
 
 from .configuration import AdaFlashConfig
 from .modeling import AdaptiveLengthHead
+from .utils import atomic_directory
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -330,21 +329,14 @@ def save_drafter(model, save_directory, *args, save_format: str = "dflash", **kw
     if kwargs.pop("push_to_hub", False):
         raise ValueError("Use drafter.push_to_hub(repo_id): it also renders the model card.")
     target = Path(save_directory)
-    target.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with atomic_directory(target, merge=True, last=(CONFIG_NAME,)) as staging:
         model._save_pretrained_native(staging, *args, **kwargs)
         if save_format == "dflash":
             config_dict = config_to_dflash_dict(model.config)
             (staging / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-        written = sorted(staging.iterdir(), key=lambda p: p.name == CONFIG_NAME)
-        for stale in target.glob("model*.safetensors*"):
+        for stale in target.glob("model*.safetensors*"):  # shards of a previous, differently sharded save
             if not (staging / stale.name).exists():
                 stale.unlink()
-        for path in written:
-            os.replace(path, target / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_length_head(path_or_repo_id, **kwargs) -> AdaptiveLengthHead:

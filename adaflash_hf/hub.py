@@ -1,24 +1,23 @@
-"""Model cards from the templates in `model_cards/`, and Hub pushes that include them."""
+"""Model cards from the templates in `adaflash_hf/templates/` (package resources), and Hub pushes that include them."""
 
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
+from importlib.resources import as_file, files
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
-TEMPLATES = Path(__file__).parent / "model_cards"
 CARD_TAGS = ["adaflash", "dflash", "speculative-decoding"]
 
 
 def render_model_card(template: str, *, repo_id: str, base_model: str | None = None, **fields) -> ModelCard:
-    """Renders `model_cards/<template>.md` with `fields`; `base_model` goes into the card metadata."""
-    path = TEMPLATES / f"{template}.md"
+    """Renders `adaflash_hf/templates/<template>.md` with `fields`; `base_model` goes into the card metadata."""
     data = ModelCardData(library_name="adaflash-hf", tags=CARD_TAGS, base_model=base_model)
     name = repo_id.rstrip("/").split("/")[-1]
-    return ModelCard.from_template(
-        data, template_path=str(path), model_name=name, repo_id=repo_id, base_model=base_model, **fields
-    )
+    with as_file(files("adaflash_hf") / "templates" / f"{template}.md") as path:
+        return ModelCard.from_template(
+            data, template_path=str(path), model_name=name, repo_id=repo_id, base_model=base_model, **fields
+        )
 
 
 def drafter_card_fields(drafter, card_data: dict | None = None) -> dict:

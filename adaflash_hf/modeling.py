@@ -77,7 +77,7 @@ class AdaptiveLengthHead(PreTrainedModel):
         return torch.sigmoid(self.out(hidden)).squeeze(-1)
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Saves the head and uploads it with a README rendered from `model_cards/length_head.md`."""
+        """Saves the head and uploads it with a README rendered from `adaflash_hf/templates/length_head.md`."""
         from .hub import push_length_head_to_hub
 
         return push_length_head_to_hub(self, repo_id, **kwargs)
@@ -302,7 +302,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, card_data: dict | None = None, **kwargs):
-        """Saves, renders a model card from `model_cards/drafter.md` and uploads (see `adaflash_hf.hub`)."""
+        """Saves, renders a model card from `adaflash_hf/templates/drafter.md` and uploads (see `adaflash_hf.hub`)."""
         from .hub import push_drafter_to_hub
 
         return push_drafter_to_hub(self, repo_id, card_data=card_data, **kwargs)

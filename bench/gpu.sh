@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-bench-gpu}
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
-"${PYTHON:-python}" -m adaflash_hf.bench.step_timing --shape qwen3-8b --dtype bfloat16 --batch-sizes 1,8,32 | tee "$out/step_timing.jsonl"
+"${PYTHON:-python}" -m adaflash_demo.bench.step_timing --shape qwen3-8b --dtype bfloat16 --batch-sizes 1,8,32 | tee "$out/step_timing.jsonl"
 "${PYTHON:-python}" -m adaflash_hf.cli bench --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --prompts-per-domain 32 \
     --json "$out/bench.json" --markdown "$out/bench.md" --plots "$out" | tee "$out/bench.log"
 "${PYTHON:-python}" -m adaflash_hf.cli bench --device cuda --dtype float32 --quick --json "$out/bench_fp32_quick.json" | tee "$out/bench_fp32.log"

@@ -1,20 +1,20 @@
 """Batch > 1 with lossless sampling and the adaptive length policy, on the shipped demo world (CPU, offline).
 
-python examples/batched_sampling.py
+python examples/batched_sampling.py        # needs the demo distribution: pip install ./demo
 """
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import adaflash_hf
+from adaflash_demo.world import world_artifact
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.cli import WORLD_DIR
 
 
 def main():
-    tokenizer = AutoTokenizer.from_pretrained(WORLD_DIR / "tokenizer", padding_side="left")
-    target = AutoModelForCausalLM.from_pretrained(WORLD_DIR / "target", dtype=torch.float32)
-    drafter = AdaFlashDrafter.from_pretrained(WORLD_DIR / "drafter", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(world_artifact("tokenizer"), padding_side="left")
+    target = AutoModelForCausalLM.from_pretrained(world_artifact("target"), dtype=torch.float32)
+    drafter = AdaFlashDrafter.from_pretrained(world_artifact("drafter"), dtype=torch.float32)
     prompts = ["def fibonacci(n):\n", "Tom has 3 apples and buys 4 more.", "The find command searches"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     config = GenerationConfig(

@@ -7,7 +7,7 @@ server adopts each version between requests. Traffic comes in bursts of 16 reque
 Acceptance per burst also depends on the burst's prompts; `adaflash online --compare` pairs every version with the
 unadapted drafter on the same requests.
 
-    python examples/online_adaptation.py
+    python examples/online_adaptation.py        # needs the demo distribution: pip install ./demo
 """
 
 import tempfile
@@ -15,17 +15,16 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from adaflash_demo.world import load_stream, world_artifact
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.cli import WORLD_DIR
+from adaflash_hf.online import OnlineAdapter, OnlineConfig, acceptance_by_version
 from adaflash_hf.training import OPDConfig
-from adaflash_hf.training.online import OnlineAdapter, OnlineConfig, acceptance_by_version
-from adaflash_hf.world import load_stream
 
 
 def main():
-    tokenizer = AutoTokenizer.from_pretrained(WORLD_DIR / "tokenizer", padding_side="left")
-    target = AutoModelForCausalLM.from_pretrained(WORLD_DIR / "target", dtype=torch.float32)
-    drafter = AdaFlashDrafter.from_pretrained(WORLD_DIR / "drafter", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(world_artifact("tokenizer"), padding_side="left")
+    target = AutoModelForCausalLM.from_pretrained(world_artifact("target"), dtype=torch.float32)
+    drafter = AdaFlashDrafter.from_pretrained(world_artifact("drafter"), dtype=torch.float32)
     rounds = OPDConfig(
         "unused",  # every round sets its own output_dir, steps, saving and logging
         per_device_train_batch_size=8,

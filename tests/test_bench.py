@@ -4,7 +4,7 @@ import math
 
 from helpers import tiny_drafter, tiny_target
 
-from adaflash_hf.bench.harness import METHODS, run_benchmark
+from adaflash_demo.bench.harness import METHODS, run_benchmark
 
 
 def test_harness_records_every_usable_method(word_tokenizer):
@@ -39,7 +39,7 @@ def test_harness_records_every_usable_method(word_tokenizer):
 
 
 def test_report_table_and_plots(tmp_path, word_tokenizer):
-    from adaflash_hf.bench.report import markdown_table, plot_records, summary_tables
+    from adaflash_demo.bench.report import markdown_table, plot_records, summary_tables
 
     target = tiny_target()
     target.generation_config.pad_token_id = 2
@@ -68,7 +68,7 @@ def test_report_table_and_plots(tmp_path, word_tokenizer):
 def test_step_timing_on_a_tiny_shape(capsys):
     import json
 
-    from adaflash_hf.bench.step_timing import main
+    from adaflash_demo.bench.step_timing import main
 
     main(
         [

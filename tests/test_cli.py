@@ -70,7 +70,7 @@ def test_online_adapts_on_the_unseen_stream_and_compares_with_the_baseline(tmp_p
 
 
 def test_online_serves_a_prompt_file_and_names_a_bad_line(tmp_path, capsys):
-    from adaflash_hf.world import load_stream
+    from adaflash_demo.world import load_stream
 
     rows = [{"prompt": row["prompt"], "domain": "custom"} for row in load_stream("man")[:3]]
     stream = tmp_path / "stream.jsonl"

@@ -10,7 +10,7 @@ import torch
 from synthetic import opd_args, prompts, synthetic_drafter
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.training.online import (
+from adaflash_hf.online import (
     OnlineAdapter,
     OnlineConfig,
     PublishError,
@@ -19,7 +19,7 @@ from adaflash_hf.training.online import (
     acceptance_by_version,
     read_metrics,
 )
-from adaflash_hf.training.online import rounds as rounds_module
+from adaflash_hf.online import rounds as rounds_module
 
 NEW_TOKENS = 24
 GREEDY = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=1)
@@ -193,7 +193,7 @@ def _wrong_checksum(publication):
 
 
 def _truncate_and_rehash(publication):
-    from adaflash_hf.training.online.publishing import file_sha256
+    from adaflash_hf.online.publishing import file_sha256
 
     _truncate(publication)
     marker = publication.path.parent / "LATEST.json"

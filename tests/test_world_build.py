@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.world import (
+from adaflash_demo.world import (
     DOMAINS,
     UNSEEN_DOMAIN,
     ArDraftConfig,
@@ -35,8 +34,9 @@ from adaflash_hf.world import (
     load_world_tokenizer,
     world_artifact,
 )
-from adaflash_hf.world.lm_training import learning_rate_at
-from adaflash_hf.world.packing import load_streams
+from adaflash_demo.world.lm_training import learning_rate_at
+from adaflash_demo.world.packing import load_streams
+from adaflash_hf import AdaFlashDrafter
 
 TINY_SHAPE = CausalLMShape(
     hidden_size=32,
@@ -235,7 +235,7 @@ def test_missing_artifact_names_the_rebuild_command(tmp_path):
 
 def test_missing_man_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(
-        "adaflash_hf.world.corpus.shutil.which", lambda tool: None if tool == "man" else "/usr/bin/col"
+        "adaflash_demo.world.corpus.shutil.which", lambda tool: None if tool == "man" else "/usr/bin/col"
     )
     with pytest.raises(CorpusError, match=r"needs the man command.*apt-get install man-db"):
         build_corpus(CorpusConfig(), seed=0, corpus_dir=tmp_path)
@@ -256,7 +256,7 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 
 
 def test_shipped_world_is_complete_and_consistent():
-    """The artifacts in adaflash_hf/world/data load offline and agree on the tokenizer."""
+    """The artifacts in demo/adaflash_demo/world/data load offline and agree on the tokenizer."""
     tokenizer = load_world_tokenizer()
     target, draft = load_world_model("target"), load_world_model("ar_draft")
     assert target.config.vocab_size == draft.config.vocab_size == len(tokenizer) == 8192

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.world import DEFAULT_STAGES, STAGES, WORLD_DATA_DIR, WorldConfig, build_world
+from adaflash_demo.world import DEFAULT_STAGES, STAGES, WORLD_DATA_DIR, WorldConfig, build_world
 
 
 def parse_args() -> argparse.Namespace:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.world.drafter import DrafterConfig, build_drafter
-from adaflash_hf.world.tokenizer import load_tokenizer
+from adaflash_demo.world.drafter import DrafterConfig, build_drafter
+from adaflash_demo.world.tokenizer import load_tokenizer
 
 
 def main() -> None:

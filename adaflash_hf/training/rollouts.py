@@ -14,14 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
+
+from ..utils import atomic_directory
 
 PROMPT_COLUMNS = ("prompt", "messages", "prompt_ids")
 RESPONSE_COLUMNS = ("completion", "response", "completion_ids")
@@ -181,14 +181,9 @@ class RolloutStore:
                     f"{self.directory}, or point rollout_dir elsewhere, to generate them anew."
                 )
             return load_from_disk(str(final))
-        self.directory.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=self.directory))
-        try:
+        with atomic_directory(final) as staging:
             generate().save_to_disk(str(staging))
             (staging / self.FINGERPRINT).write_text(self.fingerprint + "\n")
-            os.replace(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         return load_from_disk(str(final))
 
 

@@ -315,8 +315,8 @@ class OPDTrainer(DistillationTrainer):
     # ------------------------------------------------------------------ cards
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **kwargs):
-        """Writes ``README.md`` into ``output_dir`` from ``model_cards/drafter.md`` (used at every save and by
-        ``push_to_hub``)."""
+        """Writes ``README.md`` into ``output_dir`` from the ``adaflash_hf/templates/drafter.md`` template (used at
+        every save and by ``push_to_hub``)."""
         if not self.is_world_process_zero():
             return
         repo_id = self.args.hub_model_id or model_name or Path(self.args.output_dir).name

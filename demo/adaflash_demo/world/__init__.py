@@ -1,5 +1,6 @@
 """The offline demo world: four local text domains, a byte-level BPE tokenizer, a small Qwen3 target and an AR
-draft model, built by ``trainers/build_demo_world.py`` and shipped in ``adaflash_hf/world/data``.
+draft model, built by ``trainers/build_demo_world.py`` and shipped in ``demo/adaflash_demo/world/data`` (the
+``adaflash-demo`` distribution: ``pip install ./demo``).
 
 Everything is built from files already on the machine (CPython stdlib, GNU info manuals, package docs, man pages)
 plus generated arithmetic problems, so the demo and benchmarks need no download. Debian changelogs, kept out of
@@ -13,6 +14,7 @@ from .artifacts import (
     load_stream,
     load_world_model,
     load_world_tokenizer,
+    prompts_by_domain,
     world_artifact,
 )
 from .build import DEFAULT_STAGES, STAGES, WorldConfig, WorldLayout, build_world, ship_world
@@ -69,6 +71,7 @@ __all__ = [
     "load_world_model",
     "load_world_tokenizer",
     "save_causal_lm",
+    "prompts_by_domain",
     "ship_world",
     "train_causal_lm",
     "train_tokenizer",

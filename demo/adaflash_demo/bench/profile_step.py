@@ -1,6 +1,6 @@
 """Where one speculative step's time goes, on the demo world (batch 1, fp32 greedy).
 
-    python -m adaflash_hf.bench.profile_step --prompts 8
+    python -m adaflash_demo.bench.profile_step --prompts 8
 
 Splits the wall time of AdaFlash generation into the drafter's network forward, the target's verification forward
 (which also captures the hidden states the drafter reads), and everything else (drafting logits and choice, the
@@ -13,22 +13,29 @@ import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
-from ..cli import WORLD_DIR, _world_prompts
-from ..generation.stats import record_stats
-from ..modeling import AdaFlashDrafter
+from adaflash_hf.generation.stats import record_stats
+from adaflash_hf.modeling import AdaFlashDrafter
+
+from ..world import load_world_model, load_world_tokenizer, prompts_by_domain, world_artifact
 
 
 class _Timer:
-    """Accumulates the wall time of a module's forward calls (hooks, no patch)."""
+    """Accumulates the wall time of a module's forward calls (hooks, no patch); `remove()` detaches its hooks."""
 
     def __init__(self, module):
         self.seconds, self._start = 0.0, None
-        module.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter()))
-        module.register_forward_hook(
-            lambda *_: setattr(self, "seconds", self.seconds + time.perf_counter() - self._start)
+        self._handles = (
+            module.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter())),
+            module.register_forward_hook(
+                lambda *_: setattr(self, "seconds", self.seconds + time.perf_counter() - self._start)
+            ),
         )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def main(argv=None) -> None:
@@ -36,10 +43,10 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per domain")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(WORLD_DIR / "tokenizer")
-    target = AutoModelForCausalLM.from_pretrained(WORLD_DIR / "target", dtype=torch.float32).eval()
-    drafter = AdaFlashDrafter.from_pretrained(WORLD_DIR / "drafter", dtype=torch.float32).eval()
-    texts = [t for prompts in _world_prompts().values() for t in prompts[: args.prompts]]
+    tokenizer = load_world_tokenizer()
+    target = load_world_model("target")
+    drafter = AdaFlashDrafter.from_pretrained(world_artifact("drafter"), dtype=torch.float32).eval()
+    texts = [t for prompts in prompts_by_domain().values() for t in prompts[: args.prompts]]
     inputs = [tokenizer(t, return_tensors="pt") for t in texts]
     base = {**target.generation_config.to_dict(), "max_new_tokens": args.max_new_tokens, "do_sample": False}
     for policy in ("fixed", "adaptive"):
@@ -57,8 +64,7 @@ def main(argv=None) -> None:
             f"{1000 * drafter_timer.seconds / steps:.2f} + target forward {1000 * target_timer.seconds / steps:.2f} "
             f"+ rest {1000 * rest / steps:.2f} (acceptance {stats.mean_acceptance_length:.2f})"
         )
-        target._forward_hooks.clear(), target._forward_pre_hooks.clear()
-        drafter._forward_hooks.clear(), drafter._forward_pre_hooks.clear()
+        target_timer.remove(), drafter_timer.remove()
     timer = _Timer(target)
     start, tokens = time.perf_counter(), 0
     for batch in inputs:

@@ -13,13 +13,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from adaflash_hf.utils import atomic_directory, write_jsonl
+
 from .ar_draft import ArDraftConfig, build_ar_draft
 from .artifacts import SHIPPED_ARTIFACTS, WORLD_DATA_DIR
 from .causal_lm import CausalLMShape
 from .corpus import DOMAINS, CorpusConfig, build_corpus, load_documents
 from .drafter import DrafterConfig, build_drafter
 from .evaluation import EvaluationConfig, evaluate_world
-from .files import atomic_directory, write_jsonl
 from .lm_training import LMTrainingConfig
 from .packing import pack_corpus
 from .prompts import PromptConfig, build_prompts

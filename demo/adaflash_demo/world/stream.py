@@ -15,8 +15,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from adaflash_hf.utils import atomic_directory, write_jsonl
+
 from .corpus import DOMAINS, CorpusError, Document, is_heldout, load_documents, read_text_file
-from .files import atomic_directory, write_jsonl
 from .prompts import PromptConfig, build_prompts
 
 UNSEEN_DOMAIN = "changelog"

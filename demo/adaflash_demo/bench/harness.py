@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import GenerationConfig
 
+from adaflash_hf.training.rollouts import cut_after_eos
+
 METHODS = ("plain", "hf_assisted", "prompt_lookup", "native_dflash", "adaflash_fixed", "adaflash_adaptive")
 BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
 
@@ -109,15 +111,6 @@ def available_methods(methods, batch_size: int, drafter=None, ar_draft=None) -> 
     return usable
 
 
-def _generated_rows(sequences, prompt_width, eos_ids) -> list[list[int]]:
-    """Each row's generated tokens up to and including its first EOS (what follows is padding)."""
-    rows = []
-    for row in sequences[:, prompt_width:].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        rows.append(row[:end])
-    return rows
-
-
 def run_benchmark(
     target,
     tokenizer,
@@ -134,8 +127,6 @@ def run_benchmark(
     """Runs every usable method on every domain and batch size, interleaving methods batch by batch."""
     dtype = str(target.dtype).replace("torch.", "")
     counter = ForwardCounter(target)
-    eos = target.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     records = []
     for domain, prompts in prompts_by_domain.items():
         for batch_size in batch_sizes:
@@ -147,7 +138,7 @@ def run_benchmark(
                 rotation = usable[step % len(usable) :] + usable[: step % len(usable)]
                 outputs = {
                     method: _timed_generate(
-                        target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tallies[method]
+                        target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tallies[method]
                     )
                     for method in rotation
                 }
@@ -182,9 +173,7 @@ def _speed(tally) -> float:
     return tally.tokens / tally.seconds if tally and tally.seconds else 0.0
 
 
-def _timed_generate(
-    target, inputs, method, drafter, ar_draft, max_new_tokens, counter, eos_ids, tally
-) -> list[list[int]]:
+def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tally) -> list[list[int]]:
     kwargs = method_kwargs(method, drafter, ar_draft)
     adaflash = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("adaflash_")}
     config = GenerationConfig(
@@ -199,7 +188,7 @@ def _timed_generate(
         tally.seconds += time.perf_counter() - start
     tally.row_forwards += counter.row_forwards
     tally.processed += counter.processed_tokens
-    rows = _generated_rows(out, inputs["input_ids"].shape[1], eos_ids)
+    rows = [cut_after_eos(row, config) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]
     tally.tokens += sum(map(len, rows))
     tally.rows += len(rows)
     return rows

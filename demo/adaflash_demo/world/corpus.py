@@ -4,7 +4,7 @@
 * ``prose``: GNU info manuals, the Python language reference (``pydoc_data.topics``) and README/md/txt/rst files
   from ``/usr/share/doc`` (changelogs, copyright and news files excluded), cut into chunks.
 * ``man``: man pages rendered as plain text with ``MANWIDTH=80 man -l FILE | col -bx``.
-* ``math``: generated GSM8K-style word problems (:mod:`adaflash_hf.world.arithmetic`).
+* ``math``: generated GSM8K-style word problems (:mod:`adaflash_demo.world.arithmetic`).
 
 Every domain is capped in characters so the domains weigh the same, and the sources are visited in a seeded
 order so a seed fixes the corpus. Held-out documents are chosen by ``md5(doc_id)``, independent of the seed and
@@ -27,8 +27,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from adaflash_hf.utils import read_jsonl, write_jsonl
+
 from .arithmetic import generate_problem
-from .files import read_jsonl, write_jsonl
 
 DOMAINS = ("code", "prose", "man", "math")
 SPLITS = ("train", "heldout")

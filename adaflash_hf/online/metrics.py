@@ -9,12 +9,13 @@ side adopted one), ``swap_failed`` and ``trainer_error`` (with the reason).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from ..utils import append_jsonl, read_jsonl
 
 
 class MetricsLog:
@@ -27,8 +28,8 @@ class MetricsLog:
 
     def write(self, event: str, **fields) -> dict:
         row = {"event": event, "time": round(time.time(), 3), **fields}
-        with self._lock, self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
+        with self._lock:
+            append_jsonl(self.path, row)
         return row
 
     def rows(self, event: str | None = None) -> list[dict]:
@@ -37,17 +38,9 @@ class MetricsLog:
 
 def read_metrics(path: str | os.PathLike, event: str | None = None) -> list[dict]:
     """Rows of a metrics file; a torn last line (a crash while appending) is skipped."""
-    rows = []
     if not Path(path).exists():
-        return rows
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if event is None or row.get("event") == event:
-            rows.append(row)
-    return rows
+        return []
+    return [row for row in read_jsonl(path, skip_invalid=True) if event is None or row.get("event") == event]
 
 
 def acceptance_by_version(rows: list[dict]) -> list[dict]:
@@ -68,6 +61,34 @@ def acceptance_by_version(rows: list[dict]) -> list[dict]:
     ]
 
 
+def pair_with_baseline(by_version: list[dict], adapted: list[dict], baseline: list[dict]) -> None:
+    """Adds, per drafter version, the not-adapted run's acceptance on exactly the requests that version served (both
+    runs serve the same stream in the same order, so request rows align)."""
+    adapted = [row for row in adapted if row["event"] == "request"]
+    baseline = [row for row in baseline if row["event"] == "request"]
+    for entry in by_version:
+        served = [i for i, row in enumerate(adapted) if row["version"] == entry["version"]]
+        entry["not_adapted_same_requests"] = sum(baseline[i]["mean_acceptance_length"] for i in served) / len(served)
+
+
+def online_summary(rows: list[dict]) -> dict:
+    """Acceptance per version, and per domain over the first and the last quarter of the stream."""
+    requests = [row for row in rows if row["event"] == "request"]
+    quarter = max(len(requests) // 4, 1)
+    by_domain = {}
+    for domain in dict.fromkeys(str(row["domain"]) for row in requests):
+        own = [row["mean_acceptance_length"] for row in requests if str(row["domain"]) == domain]
+        part = max(len(own) // 4, 1)
+        by_domain[domain] = (sum(own[:part]) / part, sum(own[-part:]) / part)
+    return {
+        "requests": len(requests),
+        "first_quarter": sum(r["mean_acceptance_length"] for r in requests[:quarter]) / quarter,
+        "last_quarter": sum(r["mean_acceptance_length"] for r in requests[-quarter:]) / quarter,
+        "by_version": acceptance_by_version(rows),
+        "by_domain": by_domain,
+    }
+
+
 def _rolling_mean(values: list[float], window: int) -> list[float]:
     return [
         sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
@@ -75,15 +96,25 @@ def _rolling_mean(values: list[float], window: int) -> list[float]:
     ]
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; matplotlib is an optional extra of the library."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "Plotting needs matplotlib, an optional extra: pip install 'adaflash-hf[plot]'", name=error.name
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_acceptance(runs: dict[str, list[dict]], path: str | os.PathLike, title: str = "") -> Path:
     """Draws, for runs that served the same stream (e.g. ``{"adapted": rows, "not adapted": rows}``): acceptance
     length per request (rolling mean of 16) against the request index, and the mean acceptance length per drafter
     version of the *first* run, every run averaged over the requests that version served (a paired comparison)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, (by_request, by_version) = plt.subplots(1, 2, figsize=(11, 4))
     served = [[row for row in rows if row.get("event") == "request"] for rows in runs.values()]
     versions = [row["version"] for row in served[0]]

@@ -19,6 +19,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..utils import TEMPORARY_PREFIX, write_json_atomic
+
 _DOMAIN_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _NO_DOMAIN = "_"
 _SUFFIX = ".json"
@@ -30,16 +32,6 @@ def check_domain(domain: str | None) -> None:
         raise ValueError(
             f"Domain tag {domain!r} is not usable: use 1-64 letters, digits, '_', '-' or '.' (and not '_' alone)."
         )
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Writes ``payload`` to ``path`` so a reader sees the old file or the whole new one, also after a crash."""
-    temporary = path.with_name(f".tmp-{uuid.uuid4().hex}-{path.name}")
-    with temporary.open("w", encoding="utf-8") as handle:
-        json.dump(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 @dataclass(frozen=True)
@@ -66,7 +58,8 @@ class SampleBuffer:
         self.evicted = 0
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
-        for partial in self.directory.glob(".tmp-*"):  # a write interrupted before its rename was never acknowledged
+        # a write interrupted before its rename was never acknowledged
+        for partial in self.directory.glob(f"{TEMPORARY_PREFIX}*"):
             partial.unlink(missing_ok=True)
 
     @staticmethod

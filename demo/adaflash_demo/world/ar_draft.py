@@ -12,8 +12,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from adaflash_hf.utils import atomic_directory
+
 from .causal_lm import CausalLMShape, build_causal_lm, count_parameters, load_saved_causal_lm, save_causal_lm
-from .files import atomic_directory
 from .lm_training import LMTrainingConfig, train_world_lm, training_summary
 
 

@@ -1,7 +1,7 @@
-"""The world artifacts shipped inside the package: target, AR draft, drafter, tokenizer, held-out prompts and the
-online-adaptation streams.
+"""The world artifacts shipped in the ``adaflash-demo`` distribution: target, AR draft, drafter, tokenizer,
+held-out prompts and the online-adaptation streams.
 
-They live in ``adaflash_hf/world/data`` and are regenerated with ``trainers/build_demo_world.py`` (its
+They live in ``demo/adaflash_demo/world/data`` and are regenerated with ``trainers/build_demo_world.py`` (its
 ``ship`` stage copies a build there).
 """
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from .files import read_jsonl
+from adaflash_hf.utils import read_jsonl
+
 from .tokenizer import load_tokenizer
 
 WORLD_DATA_DIR = Path(__file__).parent / "data"
@@ -62,6 +63,14 @@ def load_prompts(domain: str | None = None, data_dir: Path = WORLD_DATA_DIR) -> 
             f"{sorted(p.stem for p in prompts_dir.glob('*.jsonl'))}."
         )
     return [row for path in paths for row in read_jsonl(path)]
+
+
+def prompts_by_domain(data_dir: Path = WORLD_DATA_DIR) -> dict[str, list[str]]:
+    """The held-out prompt texts grouped by domain, in the shipped order: what the demo and benchmarks serve."""
+    grouped: dict[str, list[str]] = {}
+    for row in load_prompts(data_dir=data_dir):
+        grouped.setdefault(row["domain"], []).append(row["prompt"])
+    return grouped
 
 
 def load_stream(domain: str, heldout: bool = False, data_dir: Path = WORLD_DATA_DIR) -> list[dict]:

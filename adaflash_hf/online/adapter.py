@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from ...generation.stats import record_stats
-from ...modeling import AdaFlashDrafter
-from ..rollouts import cut_after_eos
+from ..generation.stats import record_stats
+from ..modeling import AdaFlashDrafter
+from ..training.rollouts import cut_after_eos
 from .buffer import SampleBuffer, check_domain
 from .config import OnlineConfig
 from .metrics import MetricsLog

@@ -17,11 +17,12 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 
-from ..configuration import AdaFlashConfig
-from ..modeling import AdaFlashDrafter
-from ..training import OPDConfig, OPDTrainer, measure_acceptance
+from adaflash_hf.configuration import AdaFlashConfig
+from adaflash_hf.modeling import AdaFlashDrafter
+from adaflash_hf.training import OPDConfig, OPDTrainer, measure_acceptance
+from adaflash_hf.utils import atomic_directory, read_jsonl
+
 from .corpus import DOMAINS
-from .files import atomic_directory, read_jsonl
 from .packing import load_streams
 
 

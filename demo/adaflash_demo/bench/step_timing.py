@@ -1,7 +1,7 @@
 """Drafter vs target time per speculative step on a model of real shape with random weights.
 
 Random weights make acceptance meaningless, but the cost of one step (one drafter forward over a block, one target
-forward verifying it) depends only on the shapes: `python -m adaflash_hf.bench.step_timing --shape qwen3-8b` on a
+forward verifying it) depends only on the shapes: `python -m adaflash_demo.bench.step_timing --shape qwen3-8b` on a
 GPU reports what a Qwen3-8B target with the 5-layer z-lab drafter geometry costs per step at several batch sizes.
 """
 
@@ -13,9 +13,9 @@ import json
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-from ..configuration import AdaFlashConfig
-from ..generation.stats import record_stats
-from ..modeling import AdaFlashDrafter
+from adaflash_hf.configuration import AdaFlashConfig
+from adaflash_hf.generation.stats import record_stats
+from adaflash_hf.modeling import AdaFlashDrafter
 
 SHAPES = {
     # Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (spec §2.2)

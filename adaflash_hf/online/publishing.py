@@ -18,13 +18,12 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .buffer import write_json_atomic
+from ..utils import atomic_directory, write_json_atomic
 
 MARKER = "LATEST.json"
 
@@ -106,8 +105,8 @@ class VersionStore:
             previous = None
         version = self._next_version(channel_dir, previous)
         final = channel_dir / f"v{version:05d}"
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=channel_dir))
-        try:
+        # replaces an orphan `final` of a crash between its rename and the marker
+        with atomic_directory(final) as staging:
             write(staging)
             _fsync_tree(staging)
             sha256 = {
@@ -115,10 +114,6 @@ class VersionStore:
                 for path in sorted(staging.rglob("*"))
                 if path.is_file()
             }
-            shutil.rmtree(final, ignore_errors=True)  # an orphan of a crash between rename and marker
-            os.replace(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         info = {"published": time.time(), **(info or {})}
         marker = {
             "version": version,

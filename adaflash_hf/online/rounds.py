@@ -25,9 +25,9 @@ import torch
 from datasets import Dataset
 from transformers import PrinterCallback, ProgressCallback
 
-from ...modeling import AdaFlashDrafter
-from ..config import OPDConfig
-from ..trainer import OPDTrainer
+from ..modeling import AdaFlashDrafter
+from ..training.config import OPDConfig
+from ..training.trainer import OPDTrainer
 from .buffer import SampleBuffer
 from .config import OnlineConfig
 from .metrics import MetricsLog

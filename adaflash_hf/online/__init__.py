@@ -4,7 +4,14 @@ in the background, and hot-swap the published weights into the running generator
 from .adapter import OnlineAdapter
 from .buffer import Sample, SampleBuffer
 from .config import OnlineConfig
-from .metrics import MetricsLog, acceptance_by_version, plot_acceptance, read_metrics
+from .metrics import (
+    MetricsLog,
+    acceptance_by_version,
+    online_summary,
+    pair_with_baseline,
+    plot_acceptance,
+    read_metrics,
+)
 from .publishing import Publication, PublishError, VersionStore
 from .rounds import RoundTrainer
 from .simulate import serve_stream
@@ -20,6 +27,8 @@ __all__ = [
     "SampleBuffer",
     "VersionStore",
     "acceptance_by_version",
+    "online_summary",
+    "pair_with_baseline",
     "plot_acceptance",
     "read_metrics",
     "serve_stream",
