@@ -319,10 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--plots", help="write PNG plots into this folder")
     bench_parser.set_defaults(func=bench)
 
-    train_parser = commands.add_parser("train", help="OPD training from a YAML recipe (trainers/*.yaml)")
-    train_parser.add_argument("--config", required=True)
-    train_parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
-    train_parser.set_defaults(func=lambda a: _train(a))
+    # Listed here for `adaflash --help` only: `main` hands every argument after `train` to TRL's parser.
+    commands.add_parser(
+        "train",
+        add_help=False,
+        help="OPD training from a YAML recipe (trainers/*.yaml), with field=value overrides; --help lists the fields",
+    )
 
     online_parser = commands.add_parser(
         "online", help="serve a prompt stream with online adaptation (hot-swapped drafter versions)"
@@ -358,13 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train(args) -> int:
-    from adaflash_hf.training.cli import train_main
-
-    return train_main(["--config", args.config, *args.overrides])
-
-
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        # training imports TRL's trainers, so only `adaflash train` pays for it
+        from adaflash_hf.training.cli import train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -6,11 +6,12 @@ import pytest
 import torch
 import yaml
 from datasets import Dataset
+from safetensors.torch import load_file, save_file
 from synthetic import opd_args, prompts, synthetic_drafter
 from transformers import GenerationConfig
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.training.cli import load_recipe, train_main
+from adaflash_hf.cli import main
 from adaflash_hf.training.length_head import LengthHeadInitConfig, init_length_head
 from adaflash_hf.training.rollouts import RolloutStore, collate_sequences, encode_dataset, generate_completions
 
@@ -64,12 +65,13 @@ def test_rollout_store_writes_each_round_once(tmp_path):
         RolloutStore(tmp_path, fingerprint="xyz").load_or_generate(0, lambda: pytest.fail("regenerated"))
 
 
-def test_train_main_runs_a_yaml_recipe(target, tokenizer, tmp_path):
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(8)))
+def write_recipe(directory, target, tokenizer, **fields) -> str:
+    """A flat `adaflash train` recipe (trainers/*.yaml style) for a seconds-long CPU run on the synthetic target."""
+    target.save_pretrained(directory / "target")
+    tokenizer.save_pretrained(directory / "target")
+    (directory / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(8)))
     recipe = {
-        "target": str(tmp_path / "target"),
+        "teacher_model_name_or_path": str(directory / "target"),
         "new_drafter": {
             "num_hidden_layers": 1,
             "block_size": 8,
@@ -77,31 +79,55 @@ def test_train_main_runs_a_yaml_recipe(target, tokenizer, tmp_path):
             "target_layer_ids": [0, 1],
         },
         "add_length_head": True,
-        "dataset": {"path": "json", "data_files": str(tmp_path / "prompts.jsonl"), "split": "train"},
-        "training": {
-            "output_dir": str(tmp_path / "run"),
-            "max_steps": 3,
-            "per_device_train_batch_size": 2,
-            "gradient_accumulation_steps": 1,
-            "bf16": False,
-            "use_cpu": True,
-            "report_to": [],
-            "max_completion_length": 24,
-            "num_anchors": 16,
-            "save_strategy": "no",
-            "disable_tqdm": True,
-        },
+        "datasets": [{"path": "json", "data_files": str(directory / "prompts.jsonl"), "split": "train"}],
+        "output_dir": str(directory / "run"),
+        "max_steps": 50,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "bf16": False,
+        "use_cpu": True,
+        "report_to": [],
+        "max_completion_length": 16,
+        "num_anchors": 8,
+        "logging_steps": 1,
+        "save_steps": 2,
+        "disable_tqdm": True,
+        **fields,
     }
-    path = tmp_path / "recipe.yaml"
+    path = directory / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    assert train_main(["--config", str(path)]) == 0
-    drafter = AdaFlashDrafter.from_pretrained(tmp_path / "run")
-    assert drafter.config.block_size == 8 and drafter.length_head is not None
-    assert "measured mean acceptance length" in (tmp_path / "run" / "README.md").read_text()
+    return str(path)
 
-    path.write_text(yaml.safe_dump({**recipe, "drafter": "x"}))
-    with pytest.raises(ValueError, match="exactly one of `drafter`"):
-        load_recipe(path)
+
+def test_adaflash_train_applies_command_line_overrides_and_resumes(target, tokenizer, tmp_path):
+    recipe = write_recipe(tmp_path, target, tokenizer)
+    run = tmp_path / "run"
+    # the recipe asks for 50 steps; the overrides (both spellings) cut it to 2 and change the learning rate
+    assert main(["train", "--config", recipe, "max_steps=2", "--learning_rate", "5e-4"]) == 0
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and not (run / "checkpoint-4").exists()
+    assert {row["learning_rate"] for row in state["log_history"] if "learning_rate" in row} == {5e-4}
+    drafter = AdaFlashDrafter.from_pretrained(run)
+    assert drafter.config.block_size == 8 and drafter.length_head is not None
+    assert "measured mean acceptance length" in (run / "README.md").read_text()
+
+    # Zero one weight matrix in the checkpoint: a run that resumes trains on from it, a fresh one would not.
+    weights = run / "checkpoint-2" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert main(["train", "--config", recipe, "max_steps=3", "--resume_from_checkpoint", "true"]) == 0
+    assert json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+    resumed = AdaFlashDrafter.from_pretrained(run).fc.weight
+    assert resumed.abs().max() < 0.01 < drafter.fc.weight.abs().max()  # one AdamW step away from zero
+
+
+def test_adaflash_train_names_what_a_recipe_lacks(target, tokenizer, tmp_path):
+    recipe = write_recipe(tmp_path, target, tokenizer, model_name_or_path="some/drafter")
+    with pytest.raises(ValueError, match="exactly one of `model_name_or_path`"):
+        main(["train", "--config", recipe])
+    with pytest.raises(ValueError, match="no_such_field"):  # a field of none of the four dataclasses
+        main(["train", "--config", recipe, "no_such_field=1"])
 
 
 def _stepwise_acceptance(target, drafter, prompt, completion):

@@ -1,13 +1,13 @@
 """Trains the same recipe with `loss_type` opd, ce and fkl (same budget) and compares measured acceptance.
 
-    python trainers/compare_losses.py --config recipe.yaml --eval_data heldout_prompts.jsonl --num_eval 64
+    python trainers/compare_losses.py --eval_data heldout.jsonl --num_eval 64 --config recipe.yaml [field=value]
 
 Each run writes to `<output_dir>/<loss_type>`; the table (JSON) goes to stdout and `<output_dir>/comparison.json`.
 Acceptance is `adaflash_hf.training.measure_acceptance` (greedy) on the held-out prompts.
 """
 
 import argparse
-import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,25 +15,23 @@ from pathlib import Path
 from datasets import load_dataset
 
 from adaflash_hf.training import measure_acceptance
-from adaflash_hf.training.cli import build_from_recipe, load_recipe
+from adaflash_hf.training.cli import build_trainer, parse_args
 from adaflash_hf.training.rollouts import encode_dataset
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
     parser.add_argument("--eval_data", required=True, help="JSON/JSONL file with `prompt` or `messages` rows")
     parser.add_argument("--num_eval", type=int, default=64)
     parser.add_argument("--max_new_tokens", type=int, default=256)
-    options = parser.parse_args(argv)
-    recipe = load_recipe(options.config)
-    root = Path(recipe["training"]["output_dir"])
+    options, recipe_args = parser.parse_known_args(argv)  # the rest: --config and overrides, as `adaflash train`
+    script_args, training_args, model_args, dataset_args = parse_args(recipe_args)
+    root = Path(training_args.output_dir)
     results = {}
     for loss_type in ("opd", "ce", "fkl"):
-        run = copy.deepcopy(recipe)
-        run["training"].update(loss_type=loss_type, output_dir=str(root / loss_type))
-        trainer, resume = build_from_recipe(run)
-        trainer.train(resume_from_checkpoint=resume)
+        args = dataclasses.replace(training_args, loss_type=loss_type, output_dir=str(root / loss_type))
+        trainer = build_trainer(script_args, args, model_args, dataset_args)
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         trainer.save_model()
         tokenizer, target = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.teacher_model)
         rows = load_dataset("json", data_files=options.eval_data, split="train").select(range(options.num_eval))

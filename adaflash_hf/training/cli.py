@@ -1,106 +1,134 @@
-"""`adaflash train --config recipe.yaml`: OPD training from a YAML recipe (see `trainers/*.yaml`).
+"""`adaflash train`: OPD training of an AdaFlash drafter, parsed exactly like TRL's own training scripts.
 
-A recipe has these sections::
+One parser, `trl.TrlParser.parse_args_and_config`, reads a YAML recipe (``--config``) whose keys are the fields of
+four dataclasses, and command-line overrides of any of them, given as ``field=value`` or ``--field value``:
 
-    target: Qwen/Qwen3-8B                   # id or path of the target (teacher)
-    target_kwargs: {dtype: bfloat16}        # optional, for AutoModelForCausalLM.from_pretrained
-    drafter: z-lab/Qwen3-8B-DFlash-b16      # id or path of the drafter to train, or:
-    new_drafter: {num_hidden_layers: 1, block_size: 8, mask_token_id: 3, target_layer_ids: [0, 1]}
-    add_length_head: false                  # attach a fresh length head before training
-    dataset: {path: json, data_files: prompts.jsonl, split: train}   # datasets.load_dataset kwargs
-    lora: {r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj]}   # optional
-    training: {output_dir: runs/opd, max_steps: 1000, ...}           # OPDConfig fields
-    resume_from_checkpoint: null            # a checkpoint dir, or true for the latest in output_dir
+* `OPDScriptArguments`: the drafter to start from when it is not a checkpoint (``new_drafter``), ``add_length_head``;
+* `OPDConfig`: every training field, including TRL's ``teacher_model_name_or_path`` / ``teacher_model_init_kwargs``
+  (the target) and transformers' ``output_dir``, ``max_steps`` and ``resume_from_checkpoint``;
+* `trl.ModelConfig`: ``model_name_or_path`` (the drafter checkpoint to train) and the LoRA fields
+  (``use_peft``, ``lora_r``, ``lora_alpha``, ``lora_target_modules``, ``lora_modules_to_save``, ...);
+* `trl.DatasetMixtureConfig`: ``datasets``, a list of `datasets.load_dataset` specs (``path``, ``data_files``,
+  ``split``, ...) whose rows hold ``prompt`` or ``messages``.
 
-Run it on several devices with ``accelerate launch trainers/train_opd.py --config recipe.yaml``.
+::
+
+    adaflash train --config trainers/adaflash_qwen3_8b.yaml
+    adaflash train --config trainers/adaflash_qwen3_8b.yaml max_steps=5 learning_rate=1e-4
+    adaflash train --config trainers/adaflash_qwen3_8b.yaml --resume_from_checkpoint true   # latest checkpoint
+    accelerate launch --num_processes 2 trainers/train_opd.py --config trainers/adaflash_qwen3_8b.yaml
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+import json
+import re
+from dataclasses import dataclass, field
 
-import yaml
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DatasetMixtureConfig, ModelConfig, TrlParser, get_dataset, get_peft_config
 
-RECIPE_KEYS = {
-    "target",
-    "target_kwargs",
-    "drafter",
-    "new_drafter",
-    "add_length_head",
-    "dataset",
-    "lora",
-    "training",
-    "resume_from_checkpoint",
-}
+from ..configuration import AdaFlashConfig
+from ..modeling import AdaFlashDrafter
+from .config import OPDConfig
+from .trainer import OPDTrainer
+
+_OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
 
 
-def load_recipe(path: str | Path) -> dict:
-    recipe = yaml.safe_load(Path(path).read_text()) or {}
-    unknown = set(recipe) - RECIPE_KEYS
-    missing = {"target", "dataset", "training"} - set(recipe)
-    if unknown or missing or ("drafter" in recipe) == ("new_drafter" in recipe):
-        raise ValueError(
-            f"Recipe {path}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}; it needs `target`, "
-            f"`dataset`, `training` and exactly one of `drafter` (a checkpoint) or `new_drafter` (a fresh geometry). "
-            f"Allowed keys: {sorted(RECIPE_KEYS)}"
+@dataclass
+class OPDScriptArguments:
+    """What `adaflash train` needs beyond `OPDConfig`, `trl.ModelConfig` and `trl.DatasetMixtureConfig`."""
+
+    new_drafter: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Train a fresh drafter instead of `model_name_or_path`: keyword arguments of "
+            "`AdaFlashConfig.from_target_config` (a dict in YAML, JSON on the command line), e.g. "
+            '{"num_hidden_layers": 1, "block_size": 16, "mask_token_id": 151669}.'
+        },
+    )
+    add_length_head: bool = field(
+        default=False, metadata={"help": "Attach a fresh adaptive length head (if the drafter has none) and train it."}
+    )
+
+    def __post_init__(self):
+        if isinstance(self.new_drafter, str):
+            self.new_drafter = json.loads(self.new_drafter)
+
+
+def make_parser(prog: str = "adaflash train") -> TrlParser:
+    return TrlParser((OPDScriptArguments, OPDConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def _as_flags(argv: list[str]) -> list[str]:
+    """``field=value`` overrides become ``--field value``, the form `TrlParser` (argparse) reads."""
+    flags = []
+    for token in argv:
+        match = _OVERRIDE.match(token)
+        flags += ["--" + match.group(1), match.group(2)] if match else [token]
+    return flags
+
+
+def parse_args(argv: list[str] | None = None):
+    """``(script_args, training_args, model_args, dataset_args)`` from a recipe and command-line overrides."""
+    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
+        _as_flags(list(argv or []))
+    )
+    problems = []
+    if (model_args.model_name_or_path is None) == (script_args.new_drafter is None):
+        problems.append(
+            "give exactly one of `model_name_or_path` (a drafter checkpoint to train) and `new_drafter` "
+            "(the geometry of a fresh one)"
         )
-    return recipe
+    if training_args.teacher_model_name_or_path is None:
+        problems.append("`teacher_model_name_or_path` (the target) is required")
+    if not dataset_args.datasets:
+        problems.append("`datasets` is required: a list like [{path: json, data_files: prompts.jsonl}]")
+    if problems:
+        raise ValueError("adaflash train: " + "; ".join(problems) + " (see trainers/*.yaml)")
+    if str(training_args.resume_from_checkpoint).lower() == "true":
+        training_args.resume_from_checkpoint = True  # Trainer.train: True = the latest checkpoint in output_dir
+    return script_args, training_args, model_args, dataset_args
 
 
-def build_from_recipe(recipe: dict):
-    """Returns ``(trainer, resume_from_checkpoint)`` for a loaded recipe."""
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
-
-    from ..configuration import AdaFlashConfig
-    from ..modeling import AdaFlashDrafter
-    from .config import OPDConfig
-    from .trainer import OPDTrainer
-
-    (args,) = HfArgumentParser(OPDConfig).parse_dict(recipe["training"])
-    target = AutoModelForCausalLM.from_pretrained(recipe["target"], **recipe.get("target_kwargs", {}))
-    tokenizer = AutoTokenizer.from_pretrained(recipe["target"])
-    if "drafter" in recipe:
-        drafter = AdaFlashDrafter.from_pretrained(recipe["drafter"])
+def build_trainer(script_args, training_args, model_args, dataset_args) -> OPDTrainer:
+    """The target, its tokenizer, the drafter (a checkpoint or a fresh one), the dataset and optional LoRA."""
+    target_name = training_args.teacher_model_name_or_path
+    target = AutoModelForCausalLM.from_pretrained(target_name, **(training_args.teacher_model_init_kwargs or {}))
+    tokenizer = AutoTokenizer.from_pretrained(target_name)
+    if model_args.model_name_or_path is not None:
+        drafter = AdaFlashDrafter.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     else:
-        drafter = AdaFlashDrafter(AdaFlashConfig.from_target_config(target.config, **recipe["new_drafter"]))
-    if recipe.get("add_length_head") and drafter.length_head is None:
+        drafter = AdaFlashDrafter(AdaFlashConfig.from_target_config(target.config, **script_args.new_drafter))
+    if script_args.add_length_head and drafter.length_head is None:
         drafter.add_length_head()
-    peft_config = None
-    if recipe.get("lora"):
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(**recipe["lora"])
-    dataset = load_dataset(**recipe["dataset"])
-    trainer = OPDTrainer(
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None:
+        peft_config.task_type = None  # the drafter is not a causal LM: PEFT wraps it as a plain PeftModel
+    dataset = get_dataset(dataset_args)["train"]
+    if not isinstance(dataset, Dataset):
+        raise TypeError(f"adaflash train needs a map-style dataset, got {type(dataset).__name__} (streaming=false)")
+    return OPDTrainer(
         model=drafter,
         teacher_model=target,
-        args=args,
+        args=training_args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    return trainer, recipe.get("resume_from_checkpoint")
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``adaflash train``: trains, saves the final drafter into ``output_dir`` and pushes it to the
-    Hub when ``training.push_to_hub`` is set."""
-    parser = argparse.ArgumentParser(prog="adaflash train", description="OPD training of an AdaFlash drafter.")
-    parser.add_argument("--config", required=True, help="YAML recipe (see trainers/*.yaml)")
-    parser.add_argument(
-        "--resume_from_checkpoint",
-        default=None,
-        help="checkpoint dir, or 'true' for the latest one in output_dir (overrides the recipe)",
-    )
-    options = parser.parse_args(argv)
-    trainer, resume = build_from_recipe(load_recipe(options.config))
-    if options.resume_from_checkpoint is not None:
-        resume = True if options.resume_from_checkpoint.lower() == "true" else options.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=resume)
+    """Entry point of ``adaflash train`` and ``trainers/train_opd.py``: trains (resuming when
+    ``resume_from_checkpoint`` is set), saves the final drafter and its model card into ``output_dir``, and pushes
+    it to the Hub when ``push_to_hub`` is set."""
+    script_args, training_args, model_args, dataset_args = parse_args(argv)
+    trainer = build_trainer(script_args, training_args, model_args, dataset_args)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     trainer.create_model_card()
-    if trainer.args.push_to_hub:
+    if training_args.push_to_hub:
         trainer.push_to_hub()
     return 0
