@@ -2,7 +2,14 @@
 
 `import adaflash_hf` registers the Auto classes and routes `target.generate(..., assistant_model=drafter)` to
 AdaFlash's speculative decoding whenever the assistant is an AdaFlash drafter (see `adaflash_hf.generation`).
+
+Training and online adaptation are importable from the top level too (`from adaflash_hf import OPDConfig,
+OPDTrainer, OnlineAdapter`), as TRL exports its trainers; they load on first use, because they import TRL and
+accelerate, which inference does not need.
 """
+
+import importlib
+from typing import TYPE_CHECKING
 
 from transformers import AutoConfig, AutoModel
 
@@ -21,6 +28,35 @@ from .modeling import AdaFlashDrafter, AdaFlashDrafterOutput, AdaptiveLengthHead
 
 __version__ = "0.1.0"
 
+# name -> subpackage, imported on first access (PEP 562)
+_LAZY_EXPORTS = {
+    "AcceptanceStats": "training",
+    "OPDConfig": "training",
+    "OPDTrainer": "training",
+    "measure_acceptance": "training",
+    "OnlineAdapter": "online",
+    "OnlineConfig": "online",
+    "VersionStore": "online",
+    "serve_stream": "online",
+}
+
+if TYPE_CHECKING:
+    from .online import OnlineAdapter, OnlineConfig, VersionStore, serve_stream
+    from .training import AcceptanceStats, OPDConfig, OPDTrainer, measure_acceptance
+
+
+def __getattr__(name: str):
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_EXPORTS})
+
+
 AutoConfig.register(AdaFlashConfig.model_type, AdaFlashConfig, exist_ok=True)
 AutoModel.register(AdaFlashConfig, AdaFlashDrafter, exist_ok=True)
 AutoConfig.register(AdaptiveLengthHeadConfig.model_type, AdaptiveLengthHeadConfig, exist_ok=True)
@@ -28,6 +64,7 @@ AutoModel.register(AdaptiveLengthHeadConfig, AdaptiveLengthHead, exist_ok=True)
 install()
 
 __all__ = [
+    "AcceptanceStats",
     "AdaFlashCandidateGenerator",
     "AdaFlashConfig",
     "AdaFlashDrafter",
@@ -36,10 +73,17 @@ __all__ = [
     "AdaptiveLengthHeadConfig",
     "CheckpointError",
     "LengthPolicy",
+    "OPDConfig",
+    "OPDTrainer",
+    "OnlineAdapter",
+    "OnlineConfig",
     "SpeculativeStats",
     "build_target_layer_ids",
     "generate_loop",
     "install",
+    "measure_acceptance",
     "record_stats",
+    "serve_stream",
     "uninstall",
+    "VersionStore",
 ]
