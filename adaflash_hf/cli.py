@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .generation import record_stats
+from .modeling import AdaFlashDrafter
 from .utils import read_jsonl
 
 DEMO_INSTALL = "pip install ./demo"  # run in a clone of the repository; `make install` does it too
@@ -32,8 +40,6 @@ def _add_model_args(parser):
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -54,11 +60,6 @@ def demo_package(verb: str, module: str):
 
 def load_models(args):
     """Target, tokenizer, drafter, optional AR draft model and prompts, from the demo world or the given ids."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from adaflash_hf import AdaFlashDrafter
-
     dtype = getattr(torch, args.dtype)
     if args.target is None:
         world = demo_package(args.command, "world")
@@ -102,11 +103,6 @@ def _chat_prompts(tokenizer) -> dict[str, list[str]]:
 
 def demo(args) -> int:
     """Plain generate() vs AdaFlash on a few prompts per domain: text, identity, acceptance, speed."""
-    import torch
-    from tqdm.auto import tqdm
-
-    import adaflash_hf
-
     target, tokenizer, drafter, _, prompts = load_models(args)
     chosen = {domain: texts[: args.prompts_per_domain] for domain, texts in prompts.items()}
     total = sum(map(len, chosen.values()))
@@ -114,7 +110,7 @@ def demo(args) -> int:
     with tqdm(total=total, desc="demo", unit="prompt", file=sys.stderr) as progress:
         for domain, texts in chosen.items():
             plain_s = fast_s = tokens = identical = 0
-            with adaflash_hf.record_stats() as stats:
+            with record_stats() as stats:
                 for text in texts:
                     inputs = tokenizer(text, return_tensors="pt").to(target.device)
                     kwargs = dict(max_new_tokens=args.max_new_tokens or 128, do_sample=False)
@@ -150,8 +146,6 @@ def demo(args) -> int:
 
 def bench(args) -> int:
     """All methods side by side; writes JSON records, a markdown table and PNG plots."""
-    from tqdm.auto import tqdm
-
     harness, report = demo_package("bench", "bench.harness"), demo_package("bench", "bench.report")
     target, tokenizer, drafter, ar_draft, prompts = load_models(args)
     quick = {"batch_sizes": "1,8", "prompts_per_domain": 8, "max_new_tokens": 64}
@@ -211,14 +205,10 @@ def _stream(args) -> tuple[list[str], list[str | None]]:
 def online(args) -> int:
     """Serves a prompt stream through an `OnlineAdapter` (adapted, and with --compare also not adapted), then
     prints acceptance per drafter version and writes metrics, a summary and a plot."""
-    import copy
-    from dataclasses import replace
-
-    from tqdm.auto import tqdm
-
-    from adaflash_hf.online import OnlineConfig, online_summary, pair_with_baseline, plot_acceptance, serve_stream
-    from adaflash_hf.online.metrics import pyplot
-    from adaflash_hf.training import OPDConfig
+    # online serving trains with TRL, which only this verb (and `train`) needs to import
+    from .online import OnlineConfig, online_summary, pair_with_baseline, plot_acceptance, serve_stream
+    from .online.metrics import pyplot
+    from .training import OPDConfig
 
     if args.plot:
         pyplot()  # fail before serving the stream, not after, when the optional matplotlib is missing
@@ -364,7 +354,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:
         # training imports TRL's trainers, so only `adaflash train` pays for it
-        from adaflash_hf.training.cli import train_main
+        from .training.cli import train_main
 
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)

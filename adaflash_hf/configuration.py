@@ -11,10 +11,75 @@ The official z-lab DFlash and AdaFlash checkpoints store the same facts as a ``Q
 
 from __future__ import annotations
 
+import warnings
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 LENGTH_POLICIES = ("fixed", "adaptive", "confidence")
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+
+# Qwen3 config keys that map 1:1 onto AdaFlashConfig fields.
+_GEOMETRY_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "attention_bias",
+    "attention_dropout",
+    "layer_types",
+    "initializer_range",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+)
+_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# AdaFlash dflash_config flag -> AdaFlashConfig field.
+_HEAD_KEYS = {
+    "use_thresh_head_two_model": "use_length_head",
+    "thresh_head_bottleneck_dim": "length_head_bottleneck_dim",
+    "thresh_head_direct_len": "length_head_direct_len",
+}
+# AdaFlashConfig fields with no place in the official schema; saved under "adaflash_config".
+ADAFLASH_KEYS = ("target_model", "length_policy", "length_rate", "min_candidate_length", "confidence_threshold")
+# Legacy AdaFlash heads that no serving engine uses (spec §6.1, §6.6); their tensors are skipped with a warning.
+UNSUPPORTED_HEADS = {"use_thresh_head_subsequent": "thresh_head_subsequent.", "use_prob_head": "prob_head."}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as a drafter; the message names the problem and the fix."""
+
+
+def length_policy_problems(policy, drafter_config, prefix: str = "") -> list[str]:
+    """What is wrong with a candidate-length policy (``length_policy``, ``length_rate``, ``min_candidate_length``,
+    ``confidence_threshold`` attributes of ``policy``) for a drafter; empty when nothing is. One rule for the drafter
+    config and for the per-call ``adaflash_*`` generation overrides; ``prefix`` names the settings as the caller
+    spelled them."""
+    problems = []
+    if policy.length_policy not in LENGTH_POLICIES:
+        problems.append(f"{prefix}length_policy={policy.length_policy!r} must be one of {LENGTH_POLICIES}")
+    if policy.length_policy == "adaptive" and not drafter_config.use_length_head:
+        problems.append(
+            f"{prefix}length_policy='adaptive' needs a drafter with a length head: load one with "
+            "drafter.load_length_head(path), or use 'fixed' or the training-free 'confidence'"
+        )
+    if not 1 <= policy.min_candidate_length <= drafter_config.block_size:
+        problems.append(
+            f"{prefix}min_candidate_length={policy.min_candidate_length} must lie in "
+            f"[1, block_size={drafter_config.block_size}]"
+        )
+    if policy.length_rate <= 0:
+        problems.append(f"{prefix}length_rate={policy.length_rate} must be > 0")
+    if not 0 < policy.confidence_threshold < 1:
+        problems.append(f"{prefix}confidence_threshold={policy.confidence_threshold} must lie in (0, 1)")
+    return problems
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -124,8 +189,6 @@ class AdaFlashConfig(PreTrainedConfig):
         """Also reads the official z-lab DFlash schema (``model_type: qwen3`` with a ``dflash_config``), so
         `AdaFlashConfig.from_pretrained` accepts every checkpoint `AdaFlashDrafter.from_pretrained` does (PEFT reads
         a base model's config this way when it saves an adapter)."""
-        from .formats import fields_from_dflash_dict, is_dflash_dict
-
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         if config_dict.get("model_type") != cls.model_type and is_dflash_dict(config_dict):
             config_dict = fields_from_dflash_dict(config_dict, f"{pretrained_model_name_or_path}/config.json")
@@ -149,17 +212,7 @@ class AdaFlashConfig(PreTrainedConfig):
                 f"mask_token_id={self.mask_token_id} must be a row of the target vocabulary [0, {self.vocab_size}); "
                 "for Qwen3 targets it is 151669"
             )
-        if self.length_policy not in LENGTH_POLICIES:
-            problems.append(f"length_policy={self.length_policy!r} must be one of {LENGTH_POLICIES}")
-        if self.length_policy == "adaptive" and not self.use_length_head:
-            problems.append(
-                "length_policy='adaptive' needs a length head: load one with drafter.load_length_head(path) "
-                "or choose length_policy='fixed' or 'confidence'"
-            )
-        if not 1 <= self.min_candidate_length <= self.block_size:
-            problems.append(f"min_candidate_length={self.min_candidate_length} must lie in [1, block_size]")
-        if self.length_rate <= 0:
-            problems.append(f"length_rate={self.length_rate} must be > 0")
+        problems += length_policy_problems(self, self)
         if problems:
             raise ValueError("Invalid AdaFlashConfig: " + "; ".join(problems))
 
@@ -210,4 +263,126 @@ class AdaFlashConfig(PreTrainedConfig):
         )
 
 
-__all__ = ["AdaFlashConfig", "LENGTH_POLICIES", "build_target_layer_ids"]
+@strict(accept_kwargs=True)
+class AdaptiveLengthHeadConfig(PreTrainedConfig):
+    r"""
+    Configuration of a standalone [`AdaptiveLengthHead`]: a length head published on its own, trained on top of a
+    frozen drafter, and attached with `drafter.load_length_head(path)`.
+
+    Args:
+        hidden_size (`int`, defaults to 4096):
+            The drafter's (and so the target's) hidden size.
+        bottleneck_dim (`int`, defaults to 256):
+            Width of the head.
+        block_size (`int`, defaults to 16):
+            Block size of the drafter the head was trained for; the head predicts a fraction of it.
+        direct_len (`bool`, defaults to `True`):
+            The head predicts `(accepted drafts + 1) / block_size` directly.
+        base_drafter (`str`, *optional*):
+            Hub id or path of the drafter the head was trained on (model cards).
+    """
+
+    model_type = "adaflash_length_head"
+
+    hidden_size: int = 4096
+    bottleneck_dim: int = 256
+    block_size: int = 16
+    direct_len: bool = True
+    base_drafter: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- DFlash schema
+
+
+def is_dflash_dict(raw: dict) -> bool:
+    return DFLASH_ARCHITECTURE in (raw.get("architectures") or []) or isinstance(raw.get("dflash_config"), dict)
+
+
+def fields_from_dflash_dict(raw: dict, source: str) -> dict:
+    missing = [key for key in _REQUIRED_KEYS if key not in raw]
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        missing.append("dflash_config")
+        dflash = {}
+    elif "mask_token_id" not in dflash:
+        missing.append("dflash_config.mask_token_id")
+    if "block_size" not in raw and "block_size" not in dflash:
+        missing.append("block_size")
+    if missing:
+        raise CheckpointError(
+            f"{source} lacks required key(s) {missing}; an official DFlash config has them "
+            "(see spec §2.1). Re-export the drafter with save_pretrained or add the keys."
+        )
+    fields = {key: raw[key] for key in _GEOMETRY_KEYS if key in raw}
+    fields["rope_parameters"] = _rope_parameters(raw)
+    if raw.get("use_sliding_window"):
+        fields["sliding_window"] = raw.get("sliding_window")
+    fields["block_size"] = dflash.get("block_size", raw.get("block_size"))
+    fields["mask_token_id"] = dflash["mask_token_id"]
+    layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+    if layer_ids is not None:
+        fields["target_layer_ids"] = layer_ids
+    num_target_layers = dflash.get("num_target_layers", raw.get("num_target_layers"))
+    if num_target_layers is not None:
+        fields["num_target_layers"] = num_target_layers
+    elif layer_ids is None:
+        raise CheckpointError(f"{source} needs 'num_target_layers' or dflash_config.target_layer_ids")
+    else:
+        fields["num_target_layers"] = max(layer_ids) + 1
+    for key, field in _HEAD_KEYS.items():
+        if key in dflash:
+            fields[field] = dflash[key]
+    for key in UNSUPPORTED_HEADS:
+        if dflash.get(key):
+            warnings.warn(
+                f"{source}: {key} is a legacy AdaFlash head that adaflash_hf does not use; ignored.", stacklevel=3
+            )
+    fields.update({k: v for k, v in (raw.get("adaflash_config") or {}).items() if k in ADAFLASH_KEYS})
+    return fields
+
+
+def _rope_parameters(raw: dict) -> dict | None:
+    if raw.get("rope_parameters"):
+        return dict(raw["rope_parameters"])
+    if "rope_theta" not in raw:
+        return None
+    rope = dict(raw.get("rope_scaling") or {"rope_type": "default"})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope["rope_theta"] = raw["rope_theta"]
+    return rope
+
+
+def config_to_dflash_dict(config: AdaFlashConfig) -> dict:
+    """The official DFlash `config.json` dict for `config` (inverse of `config_from_dict`)."""
+    native = config.to_dict()
+    out = {"architectures": [DFLASH_ARCHITECTURE], "model_type": "qwen3"}
+    out.update({key: native[key] for key in _GEOMETRY_KEYS if key in native})
+    rope = dict(native.get("rope_parameters") or {})
+    out["rope_theta"] = rope.pop("rope_theta", config.default_theta)
+    out["rope_scaling"] = None if rope.get("rope_type", "default") == "default" and len(rope) <= 1 else rope
+    out["use_sliding_window"] = config.sliding_window is not None
+    out["sliding_window"] = config.sliding_window
+    out["max_window_layers"] = config.num_hidden_layers
+    out["block_size"] = config.block_size
+    out["num_target_layers"] = config.num_target_layers
+    out["dtype"] = native.get("dtype")
+    dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
+    if config.use_length_head:
+        dflash.update({key: getattr(config, field) for key, field in _HEAD_KEYS.items()})
+    out["dflash_config"] = dflash
+    out["adaflash_config"] = {key: getattr(config, key) for key in ADAFLASH_KEYS}
+    out["transformers_version"] = native.get("transformers_version")
+    return out
+
+
+__all__ = [
+    "AdaFlashConfig",
+    "AdaptiveLengthHeadConfig",
+    "CheckpointError",
+    "LENGTH_POLICIES",
+    "build_target_layer_ids",
+    "config_to_dflash_dict",
+    "length_policy_problems",
+    "fields_from_dflash_dict",
+    "is_dflash_dict",
+]

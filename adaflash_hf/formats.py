@@ -23,11 +23,21 @@ import struct
 import warnings
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedModel
 from transformers.utils.hub import cached_file
 
-from .configuration import AdaFlashConfig
-from .modeling import AdaptiveLengthHead
+from .configuration import (
+    ADAFLASH_KEYS,
+    DFLASH_ARCHITECTURE,
+    UNSUPPORTED_HEADS,
+    AdaFlashConfig,
+    AdaptiveLengthHeadConfig,
+    CheckpointError,
+    config_to_dflash_dict,
+    fields_from_dflash_dict,
+    is_dflash_dict,
+)
 from .utils import atomic_directory
 
 CONFIG_NAME = "config.json"
@@ -35,44 +45,6 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder", "proxies")
-DFLASH_ARCHITECTURE = "DFlashDraftModel"
-
-# Qwen3 config keys that map 1:1 onto AdaFlashConfig fields.
-_GEOMETRY_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "attention_bias",
-    "attention_dropout",
-    "layer_types",
-    "initializer_range",
-    "vocab_size",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "tie_word_embeddings",
-)
-_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-# AdaFlash dflash_config flag -> AdaFlashConfig field.
-_HEAD_KEYS = {
-    "use_thresh_head_two_model": "use_length_head",
-    "thresh_head_bottleneck_dim": "length_head_bottleneck_dim",
-    "thresh_head_direct_len": "length_head_direct_len",
-}
-# AdaFlashConfig fields with no place in the official schema; saved under "adaflash_config".
-_ADAFLASH_KEYS = ("target_model", "length_policy", "length_rate", "min_candidate_length", "confidence_threshold")
-# Legacy AdaFlash heads that no serving engine uses (spec §6.1, §6.6); their tensors are skipped with a warning.
-_UNSUPPORTED_HEADS = {"use_thresh_head_subsequent": "thresh_head_subsequent.", "use_prob_head": "prob_head."}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as a drafter; the message names the problem and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------- config schema
@@ -95,87 +67,6 @@ def config_from_dict(raw: dict, source: str = "config.json", **overrides) -> Ada
         return AdaFlashConfig(**fields)
     except Exception as error:  # strict dataclass validation: wrong types or values
         raise CheckpointError(f"{source} is malformed: {_root_message(error)}") from error
-
-
-def is_dflash_dict(raw: dict) -> bool:
-    return DFLASH_ARCHITECTURE in (raw.get("architectures") or []) or isinstance(raw.get("dflash_config"), dict)
-
-
-def fields_from_dflash_dict(raw: dict, source: str) -> dict:
-    missing = [key for key in _REQUIRED_KEYS if key not in raw]
-    dflash = raw.get("dflash_config")
-    if not isinstance(dflash, dict):
-        missing.append("dflash_config")
-        dflash = {}
-    elif "mask_token_id" not in dflash:
-        missing.append("dflash_config.mask_token_id")
-    if "block_size" not in raw and "block_size" not in dflash:
-        missing.append("block_size")
-    if missing:
-        raise CheckpointError(
-            f"{source} lacks required key(s) {missing}; an official DFlash config has them "
-            "(see spec §2.1). Re-export the drafter with save_pretrained or add the keys."
-        )
-    fields = {key: raw[key] for key in _GEOMETRY_KEYS if key in raw}
-    fields["rope_parameters"] = _rope_parameters(raw)
-    if raw.get("use_sliding_window"):
-        fields["sliding_window"] = raw.get("sliding_window")
-    fields["block_size"] = dflash.get("block_size", raw.get("block_size"))
-    fields["mask_token_id"] = dflash["mask_token_id"]
-    layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-    if layer_ids is not None:
-        fields["target_layer_ids"] = layer_ids
-    num_target_layers = dflash.get("num_target_layers", raw.get("num_target_layers"))
-    if num_target_layers is not None:
-        fields["num_target_layers"] = num_target_layers
-    elif layer_ids is None:
-        raise CheckpointError(f"{source} needs 'num_target_layers' or dflash_config.target_layer_ids")
-    else:
-        fields["num_target_layers"] = max(layer_ids) + 1
-    for key, field in _HEAD_KEYS.items():
-        if key in dflash:
-            fields[field] = dflash[key]
-    for key in _UNSUPPORTED_HEADS:
-        if dflash.get(key):
-            warnings.warn(
-                f"{source}: {key} is a legacy AdaFlash head that adaflash_hf does not use; ignored.", stacklevel=3
-            )
-    fields.update({k: v for k, v in (raw.get("adaflash_config") or {}).items() if k in _ADAFLASH_KEYS})
-    return fields
-
-
-def _rope_parameters(raw: dict) -> dict | None:
-    if raw.get("rope_parameters"):
-        return dict(raw["rope_parameters"])
-    if "rope_theta" not in raw:
-        return None
-    rope = dict(raw.get("rope_scaling") or {"rope_type": "default"})
-    rope.setdefault("rope_type", rope.pop("type", "default"))
-    rope["rope_theta"] = raw["rope_theta"]
-    return rope
-
-
-def config_to_dflash_dict(config: AdaFlashConfig) -> dict:
-    """The official DFlash `config.json` dict for `config` (inverse of `config_from_dict`)."""
-    native = config.to_dict()
-    out = {"architectures": [DFLASH_ARCHITECTURE], "model_type": "qwen3"}
-    out.update({key: native[key] for key in _GEOMETRY_KEYS if key in native})
-    rope = dict(native.get("rope_parameters") or {})
-    out["rope_theta"] = rope.pop("rope_theta", config.default_theta)
-    out["rope_scaling"] = None if rope.get("rope_type", "default") == "default" and len(rope) <= 1 else rope
-    out["use_sliding_window"] = config.sliding_window is not None
-    out["sliding_window"] = config.sliding_window
-    out["max_window_layers"] = config.num_hidden_layers
-    out["block_size"] = config.block_size
-    out["num_target_layers"] = config.num_target_layers
-    out["dtype"] = native.get("dtype")
-    dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
-    if config.use_length_head:
-        dflash.update({key: getattr(config, field) for key, field in _HEAD_KEYS.items()})
-    out["dflash_config"] = dflash
-    out["adaflash_config"] = {key: getattr(config, key) for key in _ADAFLASH_KEYS}
-    out["transformers_version"] = native.get("transformers_version")
-    return out
 
 
 def _root_message(error: BaseException) -> str:
@@ -254,7 +145,7 @@ def read_safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
 def check_weights(model: PreTrainedModel, shapes: dict[str, tuple[int, ...]], source: str) -> None:
     """Raises if the checkpoint's tensors do not match `model` exactly (names and shapes)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    skipped = tuple(_UNSUPPORTED_HEADS.values())
+    skipped = tuple(UNSUPPORTED_HEADS.values())
     unexpected = sorted(n for n in shapes if n not in expected and not n.startswith(skipped))
     missing = sorted(n for n in expected if n not in shapes)
     mismatched = [
@@ -284,7 +175,7 @@ def check_weights(model: PreTrainedModel, shapes: dict[str, tuple[int, ...]], so
 
 def _split_kwargs(kwargs: dict) -> tuple[dict, dict, dict]:
     hub = {key: kwargs.pop(key) for key in HUB_KWARGS if key in kwargs}
-    config_fields = set(AdaFlashConfig.__dataclass_fields__) | set(_ADAFLASH_KEYS)
+    config_fields = set(AdaFlashConfig.__dataclass_fields__) | set(ADAFLASH_KEYS)
     overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in config_fields}
     return hub, overrides, kwargs
 
@@ -315,8 +206,6 @@ def load_drafter(cls, path_or_repo_id, *model_args, **kwargs):
 
 def _shape_model(cls, config: AdaFlashConfig):
     """A weightless instance, for comparing the checkpoint's tensor names and shapes with what the config implies."""
-    import torch
-
     with torch.device("meta"):
         return cls(config)
 
@@ -339,11 +228,11 @@ def save_drafter(model, save_directory, *args, save_format: str = "dflash", **kw
                 stale.unlink()
 
 
-def load_length_head(path_or_repo_id, **kwargs) -> AdaptiveLengthHead:
-    """Loads a standalone `AdaptiveLengthHead` with the same safetensors-only checks as the drafter."""
+def load_length_head(cls, path_or_repo_id, **kwargs):
+    """`AdaptiveLengthHead.from_pretrained` with the same safetensors-only checks as the drafter."""
     hub = {key: kwargs.pop(key) for key in HUB_KWARGS if key in kwargs}
     raw = _read_json(_resolve(path_or_repo_id, CONFIG_NAME, hub))
-    if raw.get("model_type") != AdaptiveLengthHead.config_class.model_type:
+    if raw.get("model_type") != AdaptiveLengthHeadConfig.model_type:
         raise CheckpointError(
             f"{path_or_repo_id!r} is not a length head (model_type={raw.get('model_type')!r}); "
             "save one with AdaptiveLengthHead.save_pretrained or drafter.length_head.save_pretrained"
@@ -351,55 +240,13 @@ def load_length_head(path_or_repo_id, **kwargs) -> AdaptiveLengthHead:
     shapes: dict[str, tuple[int, ...]] = {}
     for path in resolve_weight_files(path_or_repo_id, hub):
         shapes.update(read_safetensors_shapes(path))
-    config = AdaptiveLengthHead.config_class.from_dict(raw)
-    check_weights(_shape_model(AdaptiveLengthHead, config), shapes, str(path_or_repo_id))
-    return AdaptiveLengthHead.from_pretrained(path_or_repo_id, config=config, use_safetensors=True, **hub, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------- pairing
-
-
-# Layer kinds whose cache cannot be rolled back by cropping after a rejected draft.
-_NON_CROPPABLE_LAYERS = ("linear_attention", "mamba", "conv", "recurrent")
-
-
-def check_drafter_target(config: AdaFlashConfig, target: PreTrainedModel) -> None:
-    """Raises one `ValueError` that names every mismatch between a drafter config and a target model."""
-    text = target.config.get_text_config(decoder=True)
-    problems = []
-    if text.hidden_size != config.hidden_size:
-        problems.append(
-            f"hidden size: drafter {config.hidden_size} vs target {text.hidden_size} (the drafter reads the target's "
-            "hidden states and embeddings, so it must be built for this target: AdaFlashConfig.from_target_config)"
-        )
-    rows = target.get_input_embeddings().weight.shape[0]
-    if config.vocab_size != rows:
-        problems.append(f"vocabulary: drafter vocab_size {config.vocab_size} vs target embedding rows {rows}")
-    if not 0 <= (config.mask_token_id if config.mask_token_id is not None else -1) < rows:
-        problems.append(f"mask_token_id {config.mask_token_id} is not a row of the target embeddings [0, {rows})")
-    layers = text.num_hidden_layers
-    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < layers]
-    if bad_ids:
-        problems.append(f"target_layer_ids {bad_ids} are not layers of the target (it has {layers}: 0..{layers - 1})")
-    kinds = sorted({t for t in (getattr(text, "layer_types", None) or []) if t.startswith(_NON_CROPPABLE_LAYERS)})
-    if kinds or getattr(target, "_is_stateful", False):
-        problems.append(
-            f"the target has {kinds or 'stateful'} layers whose cache cannot be cropped after a rejected draft "
-            "(hybrid linear-attention/SSM models are not supported by speculative decoding in transformers)"
-        )
-    if problems:
-        raise ValueError("Drafter and target are incompatible: " + "; ".join(problems))
-    if config.num_target_layers != layers:
-        warnings.warn(
-            f"The drafter was built for a target with {config.num_target_layers} layers; this one has {layers}. "
-            "Acceptance will be poor unless the drafter was trained on this target.",
-            stacklevel=3,
-        )
+    config = AdaptiveLengthHeadConfig.from_dict(raw)
+    check_weights(_shape_model(cls, config), shapes, str(path_or_repo_id))
+    return cls.from_pretrained(path_or_repo_id, config=config, use_safetensors=True, **hub, **kwargs)
 
 
 __all__ = [
     "CheckpointError",
-    "check_drafter_target",
     "config_from_dict",
     "config_to_dflash_dict",
     "load_drafter",

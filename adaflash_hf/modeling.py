@@ -7,11 +7,12 @@ names, so official checkpoints load 1:1 and the in-library DFlash path is our nu
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import DFlashCache
 from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -25,30 +26,9 @@ from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant 
     MuseGlimmerAssistantRotaryEmbedding as DFlashRotaryEmbedding,
 )
 
-from .configuration import AdaFlashConfig
-
-
-class AdaptiveLengthHeadConfig(PreTrainedConfig):
-    r"""
-    Configuration of a standalone [`AdaptiveLengthHead`] (a head trained on top of a frozen published drafter).
-
-    Args:
-        hidden_size (`int`): the drafter's (and target's) hidden size.
-        bottleneck_dim (`int`, defaults to 256): the head's width.
-        block_size (`int`, defaults to 16): block size the head was trained for; its output is a fraction of it.
-        direct_len (`bool`, defaults to `True`): the head predicts (accepted + 1) / block_size.
-        base_drafter (`str`, *optional*): id or path of the drafter the head was trained on.
-    """
-
-    model_type = "adaflash_length_head"
-
-    def __init__(self, hidden_size=4096, bottleneck_dim=256, block_size=16, direct_len=True, base_drafter=None, **kw):
-        self.hidden_size = hidden_size
-        self.bottleneck_dim = bottleneck_dim
-        self.block_size = block_size
-        self.direct_len = direct_len
-        self.base_drafter = base_drafter
-        super().__init__(**kw)
+from .configuration import AdaFlashConfig, AdaptiveLengthHeadConfig
+from .formats import load_drafter, load_length_head, save_drafter
+from .hub import push_drafter_to_hub, push_length_head_to_hub
 
 
 class AdaptiveLengthHead(PreTrainedModel):
@@ -78,8 +58,6 @@ class AdaptiveLengthHead(PreTrainedModel):
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Saves the head and uploads it with a README rendered from `adaflash_hf/templates/length_head.md`."""
-        from .hub import push_length_head_to_hub
-
         return push_length_head_to_hub(self, repo_id, **kwargs)
 
 
@@ -96,6 +74,10 @@ class AdaFlashDrafterOutput(BaseModelOutputWithPast):
     """
 
     length_prediction: torch.FloatTensor | None = None
+
+
+# Layer kinds whose cache cannot be rolled back by cropping after a rejected draft.
+_NON_CROPPABLE_LAYERS = ("linear_attention", "mamba", "conv", "recurrent")
 
 
 class AdaFlashPreTrainedModel(PreTrainedModel):
@@ -255,9 +237,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     def load_length_head(self, path_or_repo_id: str | os.PathLike, **kwargs) -> AdaptiveLengthHead:
         """Loads a separately published length head (`AdaptiveLengthHead.save_pretrained`) and attaches it."""
-        from .formats import load_length_head
-
-        return self.add_length_head(load_length_head(path_or_repo_id, **kwargs))
+        return self.add_length_head(load_length_head(AdaptiveLengthHead, path_or_repo_id, **kwargs))
 
     def _check_length_head(self, head: AdaptiveLengthHead):
         mine, theirs = self.config, head.config
@@ -271,10 +251,42 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     # ------------------------------------------------------------------ target pairing
 
     def check_compatible(self, target: PreTrainedModel) -> None:
-        """Raises one `ValueError` naming every mismatch between this drafter and `target`."""
-        from .formats import check_drafter_target
-
-        check_drafter_target(self.config, target)
+        """Raises one `ValueError` naming every mismatch between this drafter and `target`; warns when the target
+        has another depth than the one the drafter was built for."""
+        config = self.config
+        text = target.config.get_text_config(decoder=True)
+        problems = []
+        if text.hidden_size != config.hidden_size:
+            problems.append(
+                f"hidden size: drafter {config.hidden_size} vs target {text.hidden_size} (the drafter reads the "
+                "target's hidden states and embeddings, so it must be built for this target: "
+                "AdaFlashConfig.from_target_config)"
+            )
+        rows = target.get_input_embeddings().weight.shape[0]
+        if config.vocab_size != rows:
+            problems.append(f"vocabulary: drafter vocab_size {config.vocab_size} vs target embedding rows {rows}")
+        if not 0 <= (config.mask_token_id if config.mask_token_id is not None else -1) < rows:
+            problems.append(f"mask_token_id {config.mask_token_id} is not a row of the target embeddings [0, {rows})")
+        layers = text.num_hidden_layers
+        bad_ids = [i for i in config.target_layer_ids if not 0 <= i < layers]
+        if bad_ids:
+            problems.append(
+                f"target_layer_ids {bad_ids} are not layers of the target (it has {layers}: 0..{layers - 1})"
+            )
+        kinds = sorted({t for t in (getattr(text, "layer_types", None) or []) if t.startswith(_NON_CROPPABLE_LAYERS)})
+        if kinds or getattr(target, "_is_stateful", False):
+            problems.append(
+                f"the target has {kinds or 'stateful'} layers whose cache cannot be cropped after a rejected draft "
+                "(hybrid linear-attention/SSM models are not supported by speculative decoding in transformers)"
+            )
+        if problems:
+            raise ValueError("Drafter and target are incompatible: " + "; ".join(problems))
+        if config.num_target_layers != layers:
+            warnings.warn(
+                f"The drafter was built for a target with {config.num_target_layers} layers; this one has {layers}. "
+                "Acceptance will be poor unless the drafter was trained on this target.",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ formats
 
@@ -286,16 +298,12 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         `from_pretrained` keywords (`dtype`, `device_map`, `revision`, `token`, `cache_dir`, `local_files_only`)
         plus config overrides (e.g. `length_policy="confidence"`).
         """
-        from .formats import load_drafter
-
         return load_drafter(cls, pretrained_model_name_or_path, *model_args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, save_format: str = "dflash", **kwargs):
         """Saves atomically in the official DFlash schema (`save_format="dflash"`, read by SGLang, vLLM and
         z-lab code) or in the native schema (`save_format="adaflash"`, read by `AutoModel` after `import adaflash_hf`).
         Both use the official tensor names."""
-        from .formats import save_drafter
-
         return save_drafter(self, save_directory, *args, save_format=save_format, **kwargs)
 
     def _save_pretrained_native(self, save_directory, *args, **kwargs):
@@ -303,8 +311,6 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     def push_to_hub(self, repo_id: str, *, card_data: dict | None = None, **kwargs):
         """Saves, renders a model card from `adaflash_hf/templates/drafter.md` and uploads (see `adaflash_hf.hub`)."""
-        from .hub import push_drafter_to_hub
-
         return push_drafter_to_hub(self, repo_id, card_data=card_data, **kwargs)
 
 
@@ -313,5 +319,4 @@ __all__ = [
     "AdaFlashDrafterOutput",
     "AdaFlashPreTrainedModel",
     "AdaptiveLengthHead",
-    "AdaptiveLengthHeadConfig",
 ]

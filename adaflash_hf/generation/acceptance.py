@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 
-def _leading_true(flags: torch.Tensor) -> torch.LongTensor:
+def leading_true(flags: torch.Tensor) -> torch.LongTensor:
     """Length of the leading run of True per row: ``[B, k] -> [B]``."""
     return (~flags).int().cumsum(dim=-1).eq(0).sum(dim=-1)
 
@@ -33,7 +33,7 @@ def greedy_acceptance(
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """drafts ``[B, k]``, target_logits ``[B, k + 1, V]``, num_drafts ``[B]`` -> (accepted ``[B]``, next ``[B]``)."""
     choice = target_logits.argmax(dim=-1)
-    accepted = _leading_true((drafts == choice[:, :-1]) & _valid(num_drafts, drafts.shape[1]))
+    accepted = leading_true((drafts == choice[:, :-1]) & _valid(num_drafts, drafts.shape[1]))
     return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
 
 
@@ -51,7 +51,7 @@ def speculative_sampling(
     p = target_probs[:, :width].gather(-1, drafts[..., None]).squeeze(-1)
     q = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
     keep = torch.rand_like(p) * q <= p  # r <= p / q without dividing by a zero q
-    accepted = _leading_true(keep & _valid(num_drafts, width))
+    accepted = leading_true(keep & _valid(num_drafts, width))
 
     rows = torch.arange(drafts.shape[0], device=drafts.device)
     p_next = target_probs[rows, accepted]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..configuration import LENGTH_POLICIES
+from ..configuration import length_policy_problems
 
 GENERATION_CONFIG_PREFIX = "adaflash_"
 
@@ -46,17 +46,9 @@ class LengthPolicy:
         return policy
 
     def validate(self, drafter_config) -> None:
-        if self.length_policy not in LENGTH_POLICIES:
-            raise ValueError(f"adaflash_length_policy={self.length_policy!r} must be one of {LENGTH_POLICIES}")
-        if self.length_policy == "adaptive" and not drafter_config.use_length_head:
-            raise ValueError(
-                "adaflash_length_policy='adaptive' needs a drafter with a length head: load one with "
-                "drafter.load_length_head(path), or use 'fixed' or the training-free 'confidence'"
-            )
-        if not 1 <= self.min_candidate_length <= drafter_config.block_size:
-            raise ValueError(f"adaflash_min_candidate_length must lie in [1, {drafter_config.block_size}]")
-        if self.length_rate <= 0 or not 0 < self.confidence_threshold < 1:
-            raise ValueError("adaflash_length_rate must be > 0 and adaflash_confidence_threshold in (0, 1)")
+        problems = length_policy_problems(self, drafter_config, prefix=GENERATION_CONFIG_PREFIX)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def needs_confidence(self) -> bool:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+from peft import PeftModel
+from peft.utils.hotswap import hotswap_adapter
 from transformers import GenerationConfig
 
 from ..generation.stats import record_stats
@@ -219,9 +221,6 @@ class OnlineAdapter:
         self._load_adapter(publication.channel[len(ADAPTER_CHANNEL_PREFIX) :], str(publication.path))
 
     def _load_adapter(self, domain: str, path: str) -> None:
-        from peft import PeftModel
-        from peft.utils.hotswap import hotswap_adapter
-
         if self.serving_drafter is self.base_drafter:
             self.serving_drafter = PeftModel.from_pretrained(self.base_drafter, path, adapter_name=domain).eval()
         elif domain in self.serving_drafter.peft_config:

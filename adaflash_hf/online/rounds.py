@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from peft import LoraConfig, PeftModel
 from transformers import PrinterCallback, ProgressCallback
 
 from ..modeling import AdaFlashDrafter
@@ -154,8 +155,6 @@ class RoundTrainer:
             if self._student is None:
                 self._student = drafter_from_state(self.drafter_config, self.initial_state())
             return self._student, None
-        from peft import LoraConfig, PeftModel
-
         base = drafter_from_state(self.drafter_config, self.initial_state())
         try:
             previous = self.store.latest(channel)

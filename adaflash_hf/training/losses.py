@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..generation.acceptance import leading_true
+
 LOSS_TYPES = ("opd", "ce", "fkl")
 CLIP_MODES = ("reference", "per_token")
 LENGTH_LOSSES = ("mse", "mae")
@@ -166,7 +168,7 @@ def accepted_drafts(matches: torch.BoolTensor) -> torch.LongTensor:
 
     On target-greedy data with labels = the target's tokens this is exactly the number of drafts greedy speculative
     decoding accepts at that anchor, so ``accepted + 1`` is the acceptance length of the step."""
-    return matches[..., 1:].long().cumprod(dim=-1).sum(dim=-1)
+    return leading_true(matches[..., 1:])
 
 
 def length_head_labels(

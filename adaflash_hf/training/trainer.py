@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import GenerationConfig
 from trl import DistillationTrainer
 
@@ -115,8 +116,6 @@ class OPDTrainer(DistillationTrainer):
 
     @staticmethod
     def _check_arguments(model, teacher_model, args, processing_class, train_dataset):
-        from datasets import Dataset
-
         if not isinstance(args, OPDConfig):
             raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}")
         if isinstance(model, str) or isinstance(teacher_model, str) or teacher_model is None:
@@ -223,8 +222,6 @@ class OPDTrainer(DistillationTrainer):
         return self._rollouts
 
     def _generate_rollouts(self):
-        from datasets import Dataset
-
         prompts = self.train_dataset["prompt_ids"]
         teacher = self.accelerator.unwrap_model(self.teacher_model)
         drafter = self.accelerator.unwrap_model(self.model) if self.args.rollout_with_drafter else None

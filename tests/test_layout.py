@@ -1,0 +1,67 @@
+"""The library's import structure: no cycles between its modules, formats reads only the configuration, and nothing
+in the library imports the demo distribution (the CLI verbs that use it import it by name, when they run)."""
+
+import ast
+from pathlib import Path
+
+import adaflash_hf
+
+LIBRARY = Path(adaflash_hf.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(LIBRARY.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module an `import` statement in ``path`` names, wherever the statement is (top level or a function)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            stem = ".".join([*base, node.module] if node.module else base)
+            names.add(stem)
+            names.update(f"{stem}.{alias.name}" for alias in node.names)  # `from . import x` may name a module
+    return names
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in LIBRARY.rglob("*.py")}
+    return {name: {i for i in _imports(path) if i in paths and i != name} for name, path in paths.items()}
+
+
+def test_no_import_cycle_between_library_modules():
+    graph = _graph()
+    # A package's __init__ re-exports its submodules; an edge from a submodule to its own package's __init__ would
+    # be the cycle, so __init__ modules stay in the graph like any other module.
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for child in sorted(graph[node]):
+            if state.get(child) == "open":
+                raise AssertionError("import cycle: " + " -> ".join([*path[path.index(child) :], child]))
+            if child not in state:
+                visit(child, [*path, child])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_formats_reads_only_the_configuration():
+    assert {m for m in _graph()["adaflash_hf.formats"]} <= {"adaflash_hf.configuration", "adaflash_hf.utils"}
+
+
+def test_the_library_never_imports_the_demo():
+    offenders = sorted(
+        _module_name(p) for p in LIBRARY.rglob("*.py") if any(i.startswith("adaflash_demo") for i in _imports(p))
+    )
+    assert offenders == []
