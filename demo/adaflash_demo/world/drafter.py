@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from adaflash_hf.configuration import AdaFlashConfig
 from adaflash_hf.modeling import AdaFlashDrafter
@@ -49,28 +49,8 @@ class DrafterConfig:
     learning_rate: float = field(default=1e-3, metadata={"help": "Constant AdamW learning rate of the drafter."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per optimizer step."})
     num_anchors: int = field(default=16, metadata={"help": "Blocks drawn per sequence."})
-    max_steps: int | None = field(
-        default=950,
-        metadata={"help": "Exact steps (about 10 minutes on 2 idle cores); reproducible. None: `minutes`."},
-    )
-    minutes: float = field(
-        default=10.0, metadata={"help": "Wall-clock budget when `max_steps` is None (constant LR: any stop is fine)."}
-    )
+    max_steps: int = field(default=950, metadata={"help": "Optimizer steps (about 10 minutes on 2 idle cores)."})
     eval_new_tokens: int = field(default=128, metadata={"help": "Tokens generated per held-out prompt at evaluation."})
-
-
-class _TimeBudget(TrainerCallback):
-    """Stops training once the wall-clock budget is spent, counted from the end of the first step (which also
-    generates the rollouts)."""
-
-    def __init__(self, minutes: float):
-        self.seconds, self.deadline = 60 * minutes, None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.deadline is None:
-            self.deadline = time.monotonic() + self.seconds
-        control.should_training_stop = time.monotonic() > self.deadline
-        return control
 
 
 def training_prompts(tokens_dir: Path, tokenizer, config: DrafterConfig, seed: int) -> list[str]:
@@ -129,7 +109,7 @@ def build_drafter(
         per_device_train_batch_size=config.batch_size,
         gradient_accumulation_steps=1,
         learning_rate=config.learning_rate,
-        max_steps=config.max_steps or 100_000,
+        max_steps=config.max_steps,
         bf16=True,  # autocast on AMX; the drafter's weights stay fp32
         use_cpu=not torch.cuda.is_available(),
         logging_steps=50,
@@ -137,7 +117,6 @@ def build_drafter(
         report_to=[],
         seed=seed,
     )
-    callbacks = [] if config.max_steps else [_TimeBudget(config.minutes)]
     dataset = Dataset.from_dict({"prompt": training_prompts(tokens_dir, tokenizer, config, seed)})
     trainer = OPDTrainer(
         model=drafter,
@@ -145,7 +124,6 @@ def build_drafter(
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=callbacks,
     )
     started = time.perf_counter()
     result = trainer.train()

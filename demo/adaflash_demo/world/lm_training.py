@@ -1,9 +1,7 @@
-"""Time-budgeted language-model training under bf16 autocast.
+"""Step-budgeted language-model training under bf16 autocast.
 
-On this CPU (AMX-BF16) autocast trains 2-5x faster than fp32. A run is either time-budgeted (``minutes``: the
-cosine schedule follows the wall clock, so a run on a busy shared machine still ends on time with a fully decayed
-learning rate) or step-budgeted (``max_steps``: the schedule follows the step, so the run is reproducible
-exactly; tests and exact rebuilds use this).
+On this CPU (AMX-BF16) autocast trains 2-5x faster than fp32. A run lasts ``max_steps`` steps and its schedule
+follows the step, so a rebuild reproduces the same weights on any machine, busy or not.
 """
 
 from __future__ import annotations
@@ -26,13 +24,7 @@ from .packing import load_streams
 class LMTrainingConfig:
     """Optimiser, schedule, batch shape and budget of one training run."""
 
-    max_steps: int | None = field(
-        default=None,
-        metadata={"help": "Exact number of steps; overrides `minutes` and makes the run reproducible bit for bit."},
-    )
-    minutes: float = field(
-        default=10.0, metadata={"help": "Wall-clock budget when `max_steps` is None; the schedule follows the clock."}
-    )
+    max_steps: int = field(default=840, metadata={"help": "Number of optimizer steps (the schedule follows them)."})
     batch_size: int = field(default=16, metadata={"help": "Sequences per step; a multiple of the 4 domains."})
     seq_len: int = field(default=256, metadata={"help": "Tokens per sequence."})
     learning_rate: float = field(default=2e-3, metadata={"help": "Peak AdamW learning rate."})
@@ -59,13 +51,6 @@ def learning_rate_at(step: int, progress: float, config: LMTrainingConfig) -> fl
     warmup = min(1.0, (step + 1) / config.warmup_steps)
     floor = config.final_lr_fraction
     return config.learning_rate * warmup * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
-def run_progress(step: int, started: float, config: LMTrainingConfig) -> float:
-    """Fraction of the run done: by steps when ``max_steps`` is set, else by wall clock."""
-    if config.max_steps is not None:
-        return step / config.max_steps
-    return (time.perf_counter() - started) / (config.minutes * 60)
 
 
 def _optimizer(model: torch.nn.Module, config: LMTrainingConfig) -> torch.optim.AdamW:
@@ -97,7 +82,7 @@ def train_causal_lm(
     teacher: torch.nn.Module | None = None,
     desc: str = "train",
 ) -> TrainingResult:
-    """Trains in place until ``max_steps`` or ``minutes`` are used up; returns the per-step losses."""
+    """Trains in place for ``max_steps`` steps; returns the per-step losses."""
     model.train()
     optimizer = _optimizer(model, config)
     losses: list[float] = []
@@ -115,7 +100,7 @@ def train_causal_lm(
         optimizer.step()
         losses.append(loss.item())
         step += 1
-        progress = run_progress(step, started, config)
+        progress = step / config.max_steps
         progress_bar.update(1)
         progress_bar.set_postfix(
             loss=f"{losses[-1]:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.1e}", done=f"{min(progress, 1.0):.0%}"
