@@ -1,8 +1,8 @@
 """`AdaFlashConfig`: the geometry of a DFlash block-diffusion drafter plus AdaFlash's adaptive length head.
 
 The drafter is a small Qwen3-style non-causal transformer that reads hidden states of a few target layers
-(``target_layer_ids``) and drafts a block of ``block_size`` tokens in one forward pass (spec §1). It has no
-embeddings and no LM head of its own: it borrows the target's, so ``hidden_size`` and ``vocab_size`` must equal
+(``target_layer_ids``) and drafts a block of ``block_size`` tokens in one forward pass (docs/algorithm.md §1). It has
+no embeddings and no LM head of its own: it borrows the target's, so ``hidden_size`` and ``vocab_size`` must equal
 the target's.
 
 The official z-lab DFlash and AdaFlash checkpoints store the same facts as a ``Qwen3Config`` plus a nested
@@ -49,7 +49,8 @@ _HEAD_KEYS = {
 }
 # AdaFlashConfig fields with no place in the official schema; saved under "adaflash_config".
 ADAFLASH_KEYS = ("target_model", "length_policy", "length_rate", "min_candidate_length", "confidence_threshold")
-# Legacy AdaFlash heads that no serving engine uses (spec §6.1, §6.6); their tensors are skipped with a warning.
+# Legacy AdaFlash heads that no serving engine uses (docs/algorithm.md §6.1); their tensors are skipped, with a
+# warning.
 UNSUPPORTED_HEADS = {"use_thresh_head_subsequent": "thresh_head_subsequent.", "use_prob_head": "prob_head."}
 
 
@@ -83,7 +84,7 @@ def length_policy_problems(policy, drafter_config, prefix: str = "") -> list[str
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash rule for which target layers feed the drafter (spec §1.2).
+    """The DFlash rule for which target layers feed the drafter (docs/algorithm.md §1.2).
 
     One drafter layer reads the middle target layer; otherwise ``num_draft_layers`` ids are spread evenly over
     ``[1, num_target_layers - 3]`` with Python's (banker's) ``round``, so that e.g. 36 target layers and 5 drafter
@@ -120,7 +121,7 @@ class AdaFlashConfig(PreTrainedConfig):
             Copied from the target so that `generate()` and pipelines accept the drafter as an assistant.
         target_model (`str`, *optional*): Hub id or path of the target the drafter was trained for (model cards).
 
-    Adaptive length head (AdaFlash "two_model" thresh head, spec §6):
+    Adaptive length head (AdaFlash "two_model" thresh head, docs/algorithm.md §6):
         use_length_head (`bool`, defaults to `False`): whether the drafter has the head.
         length_head_bottleneck_dim (`int`, defaults to 256): width of the head.
         length_head_direct_len (`bool`, defaults to `True`): the head predicts (accepted + 1) / block_size directly.
@@ -311,7 +312,7 @@ def fields_from_dflash_dict(raw: dict, source: str) -> dict:
     if missing:
         raise CheckpointError(
             f"{source} lacks required key(s) {missing}; an official DFlash config has them "
-            "(see spec §2.1). Re-export the drafter with save_pretrained or add the keys."
+            "(see docs/algorithm.md §2.1). Re-export the drafter with save_pretrained or add the keys."
         )
     fields = {key: raw[key] for key in _GEOMETRY_KEYS if key in raw}
     fields["rope_parameters"] = _rope_parameters(raw)

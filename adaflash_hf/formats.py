@@ -1,6 +1,6 @@
 """Checkpoint formats: official z-lab DFlash, AdaFlash, and ours; validation with one clear error each.
 
-Formats (spec §2):
+Formats (docs/algorithm.md §2):
 
 * **dflash** (z-lab DFlash and AdaFlash checkpoints, and our default save): a `Qwen3Config` dict with
   ``model_type: "qwen3"``, ``architectures: ["DFlashDraftModel"]``, top-level ``block_size`` and
@@ -11,8 +11,8 @@ Formats (spec §2):
   it after ``import adaflash_hf``. A ``model_type: "qwen3"`` config can never reach our class through the Auto
   classes (that would hijack every Qwen3 load), which is why both formats exist.
 
-Both use the same tensor names (spec §2.3), stored as safetensors. Pickled weights are refused, and no file of a
-repository is ever executed (the ``auto_map``/``dflash.py`` of z-lab repos is ignored).
+Both use the same tensor names (docs/algorithm.md §2.3), stored as safetensors. Pickled weights are refused, and no
+file of a repository is ever executed (the ``auto_map``/``dflash.py`` of z-lab repos is ignored).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`AdaFlashDrafter` (the DFlash block-diffusion drafter) and `AdaptiveLengthHead` (AdaFlash's length head).
 
 The decoder layers, RMSNorm and rotary embedding are transformers' own DFlash modules (those of
-`MuseGlimmerAssistantModel`): they implement exactly the DFlash attention of spec §1.3 (queries from the block,
-keys/values from ``[context ; block]``, q/k norms, rope on absolute positions, non-causal) under the z-lab parameter
-names, so official checkpoints load 1:1 and the in-library DFlash path is our numerical reference.
+`MuseGlimmerAssistantModel`): they implement exactly the DFlash attention of docs/algorithm.md §1.3 (queries from the
+block, keys/values from ``[context ; block]``, q/k norms, rope on absolute positions, non-causal) under the z-lab
+parameter names, so official checkpoints load 1:1 and the in-library DFlash path is our numerical reference.
 """
 
 import os
@@ -32,7 +32,7 @@ from .hub import push_drafter_to_hub, push_length_head_to_hub
 
 
 class AdaptiveLengthHead(PreTrainedModel):
-    """AdaFlash's "two_model" thresh head (spec §6.1).
+    """AdaFlash's "two_model" thresh head (docs/algorithm.md §6.1).
 
     Reads the drafter's final-normed block hidden states ``x`` of shape ``[..., block_size, H]`` (anchor included)
     and returns ``pred`` of shape ``[...]`` in (0, 1): the predicted ``(accepted drafts + 1) / block_size``.
@@ -70,7 +70,7 @@ class AdaFlashDrafterOutput(BaseModelOutputWithPast):
     cache (`DFlashCache`, *optional*): the drafter cache, holding the context K/V (and the block rows until cropped).
     length_prediction (`torch.FloatTensor` of shape `(batch_size, num_blocks)`, *optional*):
         The adaptive length head's prediction of `(accepted + 1) / block_size` per block, when the drafter has a head.
-        Computed on detached hidden states, so its loss never reaches the drafter (spec §6.3).
+        Computed on detached hidden states, so its loss never reaches the drafter (docs/algorithm.md §6.3).
     """
 
     length_prediction: torch.FloatTensor | None = None
@@ -92,7 +92,8 @@ class AdaFlashPreTrainedModel(PreTrainedModel):
 
 
 class AdaFlashDrafter(AdaFlashPreTrainedModel):
-    """The DFlash drafter (spec §1), optionally with AdaFlash's adaptive length head (spec §6).
+    """The DFlash drafter (docs/algorithm.md §1), optionally with AdaFlash's adaptive length head (docs/algorithm.md
+    §6).
 
     It has no embeddings and no LM head: callers embed the block with the target's input embeddings and project
     `last_hidden_state` with the target's output embeddings. Load any official z-lab DFlash or AdaFlash checkpoint,

@@ -86,7 +86,7 @@ def tiny_drafter(
 
 # ------------------------------------------------------------------- Hub-like checkpoint directories
 
-# The official z-lab config of z-lab/Qwen3-8B-DFlash-b16 (spec §2.1), at a tiny geometry.
+# The official z-lab config of z-lab/Qwen3-8B-DFlash-b16 (docs/algorithm.md §2.1), at a tiny geometry.
 ZLAB_CONFIG = {
     "architectures": ["DFlashDraftModel"],
     "attention_bias": False,
@@ -132,7 +132,7 @@ DFLASH_PY = "raise RuntimeError('remote code from the checkpoint repository was 
 
 
 def official_tensor_shapes(config: dict, with_head: bool) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of spec §2.3, derived from the config alone."""
+    """Tensor names and shapes of docs/algorithm.md §2.3, derived from the config alone."""
     h, hd, inter = config["hidden_size"], config["head_dim"], config["intermediate_size"]
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     k = len(config["dflash_config"]["target_layer_ids"])

@@ -54,7 +54,7 @@ def test_opd_training_raises_acceptance_and_the_checkpoint_reloads(target, token
     assert {"loss/ce", "loss/reverse_kl", "loss/clip_ratio", "draft_accuracy", "acceptance_length"} <= logged
     assert (tmp_path / "rollouts" / "round-00000").is_dir()
     card = (tmp_path / "README.md").read_text()
-    assert "block size | 8" in card and "loss_type=opd" in card
+    assert "block size | 8" in card and "loss_type=opd" in card and "2306.13649" in card  # the `_paper` citation
 
 
 @pytest.mark.parametrize("loss_type", ["opd", "ce", "fkl"])

@@ -1,4 +1,4 @@
-"""Offline initialisation of the adaptive length head on a frozen drafter (spec §6.4).
+"""Offline initialisation of the adaptive length head on a frozen drafter (docs/algorithm.md §6.4).
 
     python trainers/init_length_head.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 \
         --data data/regen.jsonl --output_dir models/Qwen3-8B-DFlash-b16-length-head

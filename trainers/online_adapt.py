@@ -1,4 +1,4 @@
-"""Online adaptation on a simulated serving stream (spec §5): the same code as `adaflash online`.
+"""Online adaptation on a simulated serving stream (docs/algorithm.md §5): the same code as `adaflash online`.
 
     python trainers/online_adapt.py --domain changelog --num-requests 256 --compare --plot online.png
     python trainers/online_adapt.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 \\

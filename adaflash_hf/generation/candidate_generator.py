@@ -1,6 +1,6 @@
 """`AdaFlashCandidateGenerator`: drafts one DFlash block per step and decides how much of it to offer the target.
 
-State, per batch row, kept exact across steps (spec §3.3, invariant 2 of §8):
+State, per batch row, kept exact across steps (docs/algorithm.md §3.3, §8.2):
 
 * the drafter's `DFlashCache` holds context K/V for exactly the committed positions whose target features have been
   fed, i.e. ``[0, anchor)``; every step feeds the *new* features (prompt at first, then the anchor and accepted

@@ -1,15 +1,17 @@
 """How many drafted tokens the target verifies per step: one rule, used by every decoding path.
 
 A *candidate length* counts the anchor (the last committed token, which the target has not processed yet), so it
-lies in ``[1, block_size]`` and the target verifies the anchor plus ``candidate_length - 1`` drafts (spec §3.6).
+lies in ``[1, block_size]`` and the target verifies the anchor plus ``candidate_length - 1`` drafts (docs/algorithm.md
+§3.6).
 
 Policies:
 
 * ``fixed``: the whole block (DFlash).
-* ``adaptive``: AdaFlash's length head, ``clamp(round(pred * block_size * rate), min_len, block_size)`` (spec §6.5),
-  with torch's half-to-even rounding like the reference.
+* ``adaptive``: AdaFlash's length head, ``clamp(round(pred * block_size * rate), min_len, block_size)``
+  (docs/algorithm.md §6.5), with torch's half-to-even rounding like the reference.
 * ``confidence``: training-free; stop at the first draft ``j`` where ``1 - prod_{i<=j} p_i > threshold``, ``p_i`` being
-  the drafter's top probability at draft ``i``, and verify the drafts before it (spec §6.6); usable without a head.
+  the drafter's top probability at draft ``i``, and verify the drafts before it (docs/algorithm.md §6.6); usable
+  without a head.
 
 The policy comes from the drafter config, and can be overridden per call with `GenerationConfig` attributes
 ``adaflash_length_policy``, ``adaflash_length_rate``, ``adaflash_min_candidate_length`` and

@@ -1,5 +1,5 @@
-"""Online adaptation (spec §5): buffer served requests, train the drafter (or per-domain LoRA adapters) on them
-in the background, and hot-swap the published weights into the running generator between requests."""
+"""Online adaptation (docs/algorithm.md §5): buffer served requests, train the drafter (or per-domain LoRA adapters) on
+them in the background, and hot-swap the published weights into the running generator between requests."""
 
 from .adapter import OnlineAdapter
 from .buffer import Sample, SampleBuffer

@@ -1,4 +1,4 @@
-"""A bounded, crash-safe on-disk buffer of served samples (spec §5.2's ``data_buffer/``), one JSON file per sample.
+"""A bounded, crash-safe on-disk buffer of served samples (docs/algorithm.md §5.2), one JSON file per sample.
 
 A sample is durable once `SampleBuffer.add` returns: it is written under a temporary name, flushed to disk and
 renamed, so a restart finds exactly the acknowledged samples and never a half-written one. The trainer removes a

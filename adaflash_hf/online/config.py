@@ -12,7 +12,7 @@ DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 @dataclass
 class OnlineConfig:
-    """Online adaptation of a drafter to the traffic it serves (spec §5)."""
+    """Online adaptation of a drafter to the traffic it serves (docs/algorithm.md §5)."""
 
     swap_dir: str = field(
         metadata={"help": "Directory of the buffer, the published versions and metrics.jsonl; reuse it to resume."}

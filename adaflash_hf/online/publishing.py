@@ -1,4 +1,5 @@
-"""Versioned, checksummed publication of trained weights from the trainer to the serving side (spec §5.3 step 4).
+"""Versioned, checksummed publication of trained weights from the trainer to the serving side
+(docs/algorithm.md §5.3).
 
 Layout under the store's root, one *channel* per thing that is trained (``drafter``, or ``adapter-<domain>``)::
 

@@ -1,4 +1,5 @@
-"""The trainer side of online adaptation: one OPD round on buffered samples, then one publication (spec §5.3).
+"""The trainer side of online adaptation: one OPD round on buffered samples, then one publication (docs/algorithm.md
+§5.3).
 
 A round takes the ``train_threshold`` oldest samples (of one domain, for domain adapters), trains on their exact
 token ids with `OPDTrainer` (no rollouts: served outputs already are the target's own generations, greedy or

@@ -1,4 +1,5 @@
-"""The block layout of DFlash training (spec §4.2-4.6): anchors, noise ids, positions, attention mask, labels, weights.
+"""The block layout of DFlash training (docs/algorithm.md §4.2-4.6): anchors, noise ids, positions, attention mask,
+labels, weights.
 
 One training forward drafts ``N`` overlapping blocks of ``block_size`` slots per sequence. Block ``n`` starts at the
 anchor ``a_n`` (a committed response token) and slot ``k`` is trained to output the token at ``a_n + k``: the exact
@@ -44,7 +45,7 @@ class BlockLayout:
 def sample_anchors(
     loss_mask: torch.Tensor, block_size: int, num_anchors: int, generator: torch.Generator | None = None
 ) -> BlockLayout:
-    """Draws up to ``num_anchors`` distinct anchors per row among response positions (spec §4.2).
+    """Draws up to ``num_anchors`` distinct anchors per row among response positions (docs/algorithm.md §4.2).
 
     Candidates are positions ``0 .. S - bs`` whose token is a response token (``loss_mask [B, S]`` > 0.5), so every
     slot of a block lies inside the sequence. ``N = min(num_anchors, max_b c_b - 1)`` as in the reference code (the
@@ -79,8 +80,8 @@ def sample_anchors(
 
 
 def block_noise_ids(input_ids: torch.LongTensor, layout: BlockLayout, mask_token_id: int) -> torch.LongTensor:
-    """``[B, Q]`` ids ``[token_at_anchor, mask * (bs - 1)]`` per block (spec §4.3), embedded with the target's
-    frozen input embeddings. Dropped blocks are all mask tokens."""
+    """``[B, Q]`` ids ``[token_at_anchor, mask * (bs - 1)]`` per block (docs/algorithm.md §4.3), embedded with the
+    target's frozen input embeddings. Dropped blocks are all mask tokens."""
     anchor_tokens = input_ids.gather(1, layout.anchors).masked_fill(~layout.keep, mask_token_id)
     ids = torch.full(
         (*layout.anchors.shape, layout.block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
@@ -90,13 +91,14 @@ def block_noise_ids(input_ids: torch.LongTensor, layout: BlockLayout, mask_token
 
 
 def block_position_ids(seq_len: int, layout: BlockLayout) -> torch.LongTensor:
-    """``[B, S + Q]``: ``0 .. S-1`` for the context rows, then ``a_n + 0 .. a_n + bs-1`` per block (spec §4.4)."""
+    """``[B, S + Q]``: ``0 .. S-1`` for the context rows, then ``a_n + 0 .. a_n + bs-1`` per block (docs/algorithm.md
+    §4.4)."""
     context = torch.arange(seq_len, device=layout.anchors.device).expand(layout.anchors.shape[0], seq_len)
     return torch.cat([context, layout.slot_positions().flatten(1)], dim=1)
 
 
 def block_attention_mask(seq_len: int, layout: BlockLayout) -> torch.BoolTensor:
-    """``[B, 1, Q, S + Q]`` boolean mask, True = attend (spec §4.5).
+    """``[B, 1, Q, S + Q]`` boolean mask, True = attend (docs/algorithm.md §4.5).
 
     A query of block ``n`` sees context position ``j`` iff ``j < a_n`` (the anchor's own target feature is not yet
     available at inference, hence the strict ``<``) and every slot of its own block (bidirectional); no other block.
@@ -116,13 +118,14 @@ def block_attention_mask(seq_len: int, layout: BlockLayout) -> torch.BoolTensor:
 
 def block_label_positions(seq_len: int, layout: BlockLayout) -> torch.LongTensor:
     """``[B, N, bs]`` positions ``a_n + k`` clamped to ``S - 1``: slot ``k`` predicts the token at ``a_n + k``
-    (same-position labels, spec §8.1); its teacher distribution is the target's logits at ``a_n + k - 1``."""
+    (same-position labels, docs/algorithm.md §8.1); its teacher distribution is the target's logits at ``a_n + k -
+    1``."""
     return layout.slot_positions().clamp(max=seq_len - 1)
 
 
 def block_supervised_mask(loss_mask: torch.Tensor, layout: BlockLayout) -> torch.BoolTensor:
     """``[B, N, bs]`` slots that are supervised: kept block, ``k > 0`` (the anchor is given, never predicted),
-    inside the sequence and a response token (spec §4.6, the unweighted ``binary_eval_mask``)."""
+    inside the sequence and a response token (docs/algorithm.md §4.6, the unweighted ``binary_eval_mask``)."""
     seq_len = loss_mask.shape[1]
     positions = layout.slot_positions()
     labels = loss_mask.gather(1, positions.clamp(max=seq_len - 1).flatten(1)).view_as(positions) > 0.5
@@ -131,9 +134,9 @@ def block_supervised_mask(loss_mask: torch.Tensor, layout: BlockLayout) -> torch
 
 
 def block_loss_weights(loss_mask: torch.Tensor, layout: BlockLayout, decay_gamma: float | None) -> torch.Tensor:
-    """``[B, N, bs]`` loss weights: the supervised mask times ``exp(-(k - 1) / gamma)`` (spec §4.6), so the first
-    draft slot weighs 1 and later slots, which are accepted less often, weigh less. ``gamma`` ``None`` or ``<= 0``
-    disables the decay."""
+    """``[B, N, bs]`` loss weights: the supervised mask times ``exp(-(k - 1) / gamma)`` (docs/algorithm.md §4.6), so
+    the first draft slot weighs 1 and later slots, which are accepted less often, weigh less. ``gamma`` ``None`` or
+    ``<= 0`` disables the decay."""
     weights = block_supervised_mask(loss_mask, layout).to(torch.float32)
     if decay_gamma is not None and decay_gamma > 0:
         slots = torch.arange(layout.block_size, device=weights.device, dtype=torch.float32)

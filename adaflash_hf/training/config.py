@@ -12,18 +12,96 @@ from .losses import CLIP_MODES, LENGTH_LOSSES, LOSS_TYPES
 @dataclass
 class OPDConfig(DistillationConfig):
     r"""
-    Configuration class for [`OPDTrainer`]: on-policy distillation of an AdaFlash / DFlash drafter from its target.
+    Configuration class for the [`OPDTrainer`]: on-policy distillation of an AdaFlash / DFlash drafter from its target.
 
-    Extends TRL's [`~trl.DistillationConfig`] (and so [`~transformers.TrainingArguments`]); TRL's field names are
-    kept where they exist (`max_completion_length`, `temperature`, `chat_template_kwargs`, `learning_rate`, ...).
-    Defaults follow the AdaFlash recipes (spec §4.11): AdamW at 3e-4 with a constant schedule, weight decay 0.01,
-    gradient clipping 1.0, one sequence per device and 2 accumulation steps, 512 anchors, decay gamma 7,
-    `alpha=0.8`, `clip_tau=0.01`, greedy rollouts without thinking.
+    Extends TRL's [`~trl.DistillationConfig`] (and so [`~transformers.TrainingArguments`]) with the parameters of
+    AdaFlash's training; TRL's field names are kept where they exist (`max_completion_length`, `temperature`,
+    `chat_template_kwargs`, `teacher_model_name_or_path`, ...). The defaults are those of the AdaFlash recipes
+    (docs/algorithm.md §4.11), so `OPDConfig("out")` trains as the reference does.
 
-    Fields are grouped as in TRL: drafting loss, length head, rollouts, and overridden training defaults.
+    Using [`~transformers.HfArgumentParser`] (or TRL's `TrlParser`, as `adaflash train` does) we can turn this class
+    into [argparse](https://docs.python.org/3/library/argparse#module-argparse) arguments that can be specified on the
+    command line or in a YAML recipe.
+
+    Parameters:
+        > Parameters that control the drafting loss (docs/algorithm.md §4.2-4.9)
+
+        loss_type (`str`, *optional*, defaults to `"opd"`):
+            `"opd"` (AdaFlash): `alpha * CE(teacher argmax) + (1 - alpha) * clipped reverse KL`. `"ce"` (the OSD
+            baseline): cross-entropy on the generated tokens. `"fkl"` (DFlash-style knowledge distillation): forward
+            KL to the target.
+        alpha (`float`, *optional*, defaults to `0.8`):
+            Weight of the CE term of the `"opd"` loss, in `[0, 1]`.
+        kl_temperature (`float`, *optional*, defaults to `1.0`):
+            Softmax temperature `T` of both KL terms, which are scaled by `T^2`. (`temperature` is the rollouts'.)
+        clip_tau (`float` or `None`, *optional*, defaults to `0.01`):
+            Clip of the reverse KL of the `"opd"` loss; `None` or a value `<= 0` disables it. See `clip_mode`.
+        clip_mode (`str`, *optional*, defaults to `"reference"`):
+            `"reference"`: each row's KL is divided by the total weight `W` before it is clipped at `clip_tau`,
+            exactly as the AdaFlash code does (so the effective cap is `clip_tau * W`). `"per_token"`: each row's KL is
+            capped at `clip_tau` itself.
+        num_anchors (`int`, *optional*, defaults to `512`):
+            Maximum number of blocks (anchors) drawn per sequence.
+        loss_decay_gamma (`float` or `None`, *optional*, defaults to `7.0`):
+            Block slot `k` weighs `exp(-(k - 1) / gamma)`; `None` or a value `<= 0` disables the decay.
+        block_size (`int` or `None`, *optional*):
+            Block size to train; `None` uses the drafter's, and a set value must equal it.
+        loss_chunk_size (`int`, *optional*, defaults to `1024`):
+            Rows projected to the vocabulary at once in the loss; bounds the memory of large vocabularies.
+
+        > Parameters that control the adaptive length head (docs/algorithm.md §6)
+
+        train_length_head (`bool`, *optional*, defaults to `True`):
+            Whether to train the drafter's length head, if it has one, on detached drafter states.
+        length_head_learning_rate (`float`, *optional*, defaults to `2e-4`):
+            Learning rate of the length head's own parameter group.
+        length_head_lookahead (`int`, *optional*, defaults to `1`):
+            The head's label is `(accepted drafts + length_head_lookahead) / block_size`.
+        length_head_loss (`str`, *optional*, defaults to `"mse"`):
+            Loss of the length head: `"mse"` or `"mae"`.
+
+        > Parameters that control the rollouts (docs/algorithm.md §5)
+
+        temperature (`float`, *optional*, defaults to `0.0`):
+            Sampling temperature of the target's rollouts; `0` is greedy, as in every AdaFlash recipe.
+        max_completion_length (`int` or `None`, *optional*, defaults to `2048`):
+            Maximum number of new tokens the target generates per rollout.
+        rollout_refresh_steps (`int`, *optional*, defaults to `0`):
+            Regenerate the rollouts every this many optimizer steps, so that the current drafter drafts them; `0`
+            generates them once. Ignored for datasets with responses.
+        rollout_with_drafter (`bool`, *optional*, defaults to `True`):
+            Generate the rollouts with the current drafter as the target's assistant. The rollouts are the target's
+            own outputs either way (speculative decoding is lossless); the drafter only makes them faster.
+        rollout_batch_size (`int`, *optional*, defaults to `8`):
+            Prompts the target answers at once when it produces rollouts.
+        rollout_dir (`str` or `None`, *optional*):
+            Where rollouts are cached as datasets, so a resumed run reloads them; defaults to
+            `<output_dir>/rollouts`.
+        enable_thinking (`bool`, *optional*, defaults to `False`):
+            Passed to the chat template of `messages` prompts; AdaFlash trains without thinking.
+        max_length (`int` or `None`, *optional*):
+            Keep only the first `max_length` tokens of prompt + response; `None` keeps all.
+
+        > Parameters whose defaults differ from [`~transformers.TrainingArguments`] (docs/algorithm.md §4.10)
+
+        learning_rate (`float`, *optional*, defaults to `3e-4`):
+            Learning rate of the drafter (AdamW).
+        lr_scheduler_type (`str`, *optional*, defaults to `"constant"`):
+            AdaFlash trains at a constant learning rate without warmup.
+        weight_decay (`float`, *optional*, defaults to `0.01`):
+            AdamW weight decay (torch's default).
+        per_device_train_batch_size (`int`, *optional*, defaults to `1`):
+            Sequences per device and micro-batch (1 in every AdaFlash recipe).
+        gradient_accumulation_steps (`int`, *optional*, defaults to `2`):
+            Micro-batches accumulated per optimizer step (2 in the AdaFlash recipes).
+        gradient_checkpointing (`bool`, *optional*, defaults to `False`):
+            Recompute drafter layer activations in the backward pass; a drafter of a few layers rarely needs it.
+
+        Not supported: `use_vllm=True` (TRL's vLLM path generates with the student, but OPD rollouts come from the
+        target).
     """
 
-    # Overridden TrainingArguments / DistillationConfig defaults (spec §4.10-4.11)
+    # Overridden TrainingArguments / DistillationConfig defaults (docs/algorithm.md §4.10-4.11)
     learning_rate: float = field(default=3e-4, metadata={"help": "Learning rate of the drafter (AdamW)."})
     lr_scheduler_type: str = field(
         default="constant", metadata={"help": "LR schedule; AdaFlash trains at a constant LR without warmup."}
@@ -50,7 +128,7 @@ class OPDConfig(DistillationConfig):
         default=2048, metadata={"help": "Maximum number of new tokens the target generates per rollout."}
     )
 
-    # Drafting loss (spec §4.2-4.9)
+    # Drafting loss (docs/algorithm.md §4.2-4.9)
     loss_type: str = field(
         default="opd",
         metadata={
@@ -71,13 +149,14 @@ class OPDConfig(DistillationConfig):
         default="reference",
         metadata={
             "help": "`'reference'`: divide each token's KL by the total weight W before clipping at `clip_tau`, "
-            "exactly as the AdaFlash code does (the effective cap is tau * W, spec §4.9). `'per_token'`: cap each "
-            "token's KL at `clip_tau` itself.",
+            "exactly as the AdaFlash code does (the effective cap is tau * W, docs/algorithm.md §4.9). "
+            "`'per_token'`: cap each token's KL at `clip_tau` itself.",
             "choices": list(CLIP_MODES),
         },
     )
     num_anchors: int = field(
-        default=512, metadata={"help": "Maximum number of blocks (anchors) drawn per sequence (spec §4.2)."}
+        default=512,
+        metadata={"help": "Maximum number of blocks (anchors) drawn per sequence (docs/algorithm.md §4.2)."},
     )
     loss_decay_gamma: float | None = field(
         default=7.0,
@@ -94,7 +173,7 @@ class OPDConfig(DistillationConfig):
         },
     )
 
-    # Adaptive length head (spec §6)
+    # Adaptive length head (docs/algorithm.md §6)
     train_length_head: bool = field(
         default=True,
         metadata={"help": "Train the drafter's length head (if it has one) on detached drafter states."},
@@ -109,7 +188,7 @@ class OPDConfig(DistillationConfig):
         default="mse", metadata={"help": "Length head loss.", "choices": list(LENGTH_LOSSES)}
     )
 
-    # Rollouts (spec §5)
+    # Rollouts (docs/algorithm.md §5)
     rollout_refresh_steps: int = field(
         default=0,
         metadata={

@@ -1,4 +1,4 @@
-"""The OPD losses (spec §4.7-4.9) and the length-head labels and loss (spec §6.2-6.3).
+"""The OPD losses (docs/algorithm.md §4.7-4.9) and the length-head labels and loss (docs/algorithm.md §6.2-6.3).
 
 Everything is computed on the ``M`` supervised rows only (block slots with a positive weight). Logits are never
 materialised for all rows at once: `row_statistics` projects ``chunk_size`` rows at a time under activation
@@ -96,7 +96,7 @@ def row_statistics(
 
 
 def total_weight(weights: torch.Tensor) -> torch.Tensor:
-    """``W = sum(w) + 1e-6``, the normaliser of every loss (spec §4.6)."""
+    """``W = sum(w) + 1e-6``, the normaliser of every loss (docs/algorithm.md §4.6)."""
     return weights.sum() + 1e-6
 
 
@@ -107,7 +107,7 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def clipped_reverse_kl(
     reverse_kl: torch.Tensor, weights: torch.Tensor, clip_tau: float | None, clip_mode: str = "reference"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """AdaFlash's clipped reverse KL (spec §4.9) and the mask of clipped rows.
+    """AdaFlash's clipped reverse KL (docs/algorithm.md §4.9) and the mask of clipped rows.
 
     ``clip_mode="reference"`` reproduces the reference code: ``r_i = KL_i / W`` is clipped at ``tau`` *after* the
     division, so the effective per-token cap is ``tau * W`` and grows with the number of anchors; the loss is
@@ -144,9 +144,9 @@ def drafting_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The drafter loss for ``loss_type`` and its parts (detached) for logging.
 
-    - ``"opd"`` (AdaFlash, spec §4.9): ``alpha * CE(teacher argmax) + (1 - alpha) * clipped reverse KL``.
-    - ``"ce"`` (OSD baseline, spec §4.7): CE on the data tokens (the generated response).
-    - ``"fkl"`` (DFlash-style KD, spec §4.8 with ``a = 0``): forward ``KL(p_T || p_S)``.
+    - ``"opd"`` (AdaFlash, docs/algorithm.md §4.9): ``alpha * CE(teacher argmax) + (1 - alpha) * clipped reverse KL``.
+    - ``"ce"`` (OSD baseline, docs/algorithm.md §4.7): CE on the data tokens (the generated response).
+    - ``"fkl"`` (DFlash-style KD, docs/algorithm.md §4.8 with ``a = 0``): forward ``KL(p_T || p_S)``.
     """
     if loss_type == "opd":
         ce = weighted_mean(stats.ce_teacher, weights)
@@ -178,7 +178,7 @@ def length_head_labels(
     direct_len: bool = True,
     draft_confidence: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Targets of the adaptive length head per block (spec §6.2).
+    """Targets of the adaptive length head per block (docs/algorithm.md §6.2).
 
     ``direct_len``: ``clamp(accepted + lookahead, 0, bs) / bs``, the normalised ideal verify length (anchor plus
     accepted drafts). Threshold mode: ``1 - prod_{i=1}^{idx+1} conf_i`` at ``idx = clamp(accepted + lookahead, 0,
@@ -198,8 +198,8 @@ def length_head_labels(
 def length_head_loss(
     prediction: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, kind: str = "mse"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean ``(pred - label)^2`` (``"mse"``) or ``|pred - label|`` (``"mae"``) over kept blocks (spec §6.3), and the
-    monitoring mean absolute error. ``prediction``, ``labels``, ``keep``: ``[B, N]``."""
+    """Mean ``(pred - label)^2`` (``"mse"``) or ``|pred - label|`` (``"mae"``) over kept blocks (docs/algorithm.md
+    §6.3), and the monitoring mean absolute error. ``prediction``, ``labels``, ``keep``: ``[B, N]``."""
     if kind not in LENGTH_LOSSES:
         raise ValueError(f"length head loss {kind!r} must be one of {LENGTH_LOSSES}")
     keep = keep.to(prediction.dtype)

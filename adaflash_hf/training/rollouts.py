@@ -1,8 +1,8 @@
 """Training data for OPD: prompts encoded once, target rollouts generated per round and cached on disk.
 
 A dataset row is either a prompt (`prompt` text or conversation, or `messages`) whose response the target generates
-(on-policy, spec §5), or a prompt with its response (`completion` or `response`, or `messages` ending in an
-assistant turn) for offline runs. Rows of served traffic may come already tokenized (`prompt_ids` with
+(on-policy, docs/algorithm.md §5), or a prompt with its response (`completion` or `response`, or `messages` ending in
+an assistant turn) for offline runs. Rows of served traffic may come already tokenized (`prompt_ids` with
 `completion_ids`), which keeps the target's exact tokens instead of a decode/encode round trip.
 
 Rollouts of round ``r`` are written as a `datasets.Dataset` to ``<rollout_dir>/round-<r>`` atomically (temporary
@@ -58,7 +58,7 @@ def _render(tokenizer, messages, chat_template_kwargs) -> list[int]:
 
 def encode_example(example: dict, tokenizer, chat_template_kwargs: dict) -> dict:
     """``{"prompt_ids": [...]}`` plus ``"completion_ids"`` for offline rows. Conversations are rendered with the
-    chat template and a generation prompt (spec §4.1: loss on the last assistant turn only)."""
+    chat template and a generation prompt (docs/algorithm.md §4.1: loss on the last assistant turn only)."""
     if example.get("prompt_ids") is not None:
         return {key: list(example[key]) for key in ("prompt_ids", "completion_ids") if example.get(key) is not None}
     completion = next((example[c] for c in RESPONSE_COLUMNS if example.get(c) is not None), None)

@@ -7,13 +7,15 @@ and metric plumbing. OPD replaces three hooks:
 - ``_generate_and_score_completions``: the *target* answers, not the student. TRL's per-batch
   ``_generate_single_turn`` is bypassed: rollouts are generated per round for the whole prompt set
   (`rollouts.generate_completions`, the single generation call) and cached on disk, so a resumed run reloads them;
-- ``compute_loss``: the DFlash block forward and the AdaFlash losses (spec §4), instead of a causal-LM divergence;
+- ``compute_loss``: the DFlash block forward and the AdaFlash losses (docs/algorithm.md §4), instead of a
+  causal-LM divergence;
 - ``create_model_card``: our drafter card, since TRL's text-generation quick start does not apply to a drafter.
 """
 
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 import torch
@@ -60,18 +62,86 @@ def _restore_forward(model) -> None:
 
 
 class OPDTrainer(DistillationTrainer):
-    """Trains ``model`` (an `AdaFlashDrafter`, optionally with a length head, or LoRA adapters on it via
-    ``peft_config``) to draft for ``teacher_model`` (its target), which is frozen, as are the target's input
-    embeddings and output head that the drafter borrows.
+    """
+    Trainer for on-policy distillation (OPD) of an AdaFlash / DFlash drafter from its target. The target answers the
+    training prompts itself (its rollouts, regenerated every `rollout_refresh_steps` with the current drafter as its
+    assistant), and the drafter learns to draft those answers a block at a time: AdaFlash's loss, a cross-entropy to
+    the target's argmax plus a clipped reverse KL to the target's distribution, over many blocks per sequence, and
+    optionally the adaptive length head (docs/algorithm.md §4, §6).
 
-    ``train_dataset`` holds prompts (``prompt`` or ``messages``), answered by the target on-policy, or
-    prompt/response pairs (``prompt`` + ``completion``/``response``) for offline runs. ``processing_class`` is the
-    target's tokenizer.
+    Example:
+
+    ```python
+    >>> from datasets import load_dataset
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    >>> from adaflash_hf import AdaFlashDrafter, OPDConfig, OPDTrainer
+
+    >>> target = AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-8B", dtype="bfloat16")
+    >>> tokenizer = AutoTokenizer.from_pretrained("Qwen/Qwen3-8B")
+    >>> drafter = AdaFlashDrafter.from_pretrained("z-lab/Qwen3-8B-DFlash-b16")
+    >>> dataset = load_dataset("json", data_files="prompts.jsonl", split="train")  # a `prompt` column
+
+    >>> trainer = OPDTrainer(
+    ...     model=drafter,
+    ...     teacher_model=target,
+    ...     args=OPDConfig("Qwen3-8B-AdaFlash", bf16=True),
+    ...     train_dataset=dataset,
+    ...     processing_class=tokenizer,
+    ... )
+    >>> trainer.train()
+    ```
+
+    Args:
+        model ([`AdaFlashDrafter`] or [`~peft.PeftModel`]):
+            The drafter to train, instantiated (`AdaFlashDrafter.from_pretrained(...)`, or a fresh
+            `AdaFlashDrafter(AdaFlashConfig.from_target_config(target.config, ...))`), optionally with a length head;
+            or a PEFT model wrapping one. Model ids are not accepted: a drafter is not a causal LM.
+        teacher_model ([`~transformers.PreTrainedModel`]):
+            The target the drafter drafts for, instantiated. It is frozen, and so are its input embeddings and
+            output head, which the drafter borrows.
+        args ([`OPDConfig`], *optional*):
+            Configuration for this trainer. If `None`, a default configuration is used.
+        train_dataset ([`~datasets.Dataset`]):
+            Prompts to train on, which the target answers on-policy: a `"prompt"` column (text) or a `"messages"`
+            column (a conversation, templated with `chat_template_kwargs` and `enable_thinking`). Rows that also
+            have a `"completion"` or `"response"` column, or conversations ending in an assistant turn, are trained
+            on as given (offline distillation), without rollouts.
+        eval_dataset ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
+            Dataset to evaluate on, with the same columns as `train_dataset`.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The target's tokenizer; the drafter has none of its own.
+        callbacks (list of [`~transformers.TrainerCallback`], *optional*):
+            Callbacks added to the default ones of [`~transformers.Trainer`].
+        optimizers (`tuple[Optimizer | None, LambdaLR | None]`, *optional*, defaults to `(None, None)`):
+            Optimizer and scheduler. By default AdamW with two parameter groups (the drafter at `learning_rate`,
+            the length head at `length_head_learning_rate`) and the scheduler `args` configure.
+        peft_config ([`~peft.PeftConfig`], *optional*):
+            PEFT configuration used to wrap the drafter (for example LoRA adapters per domain). Add
+            `modules_to_save=["thresh_head_two_model"]` to train a length head alongside the adapters.
     """
 
     _tag_names = ["trl", "adaflash", "dflash", "speculative-decoding"]
     _name = "OPD"
-    # Losses are per-micro-batch weighted means (spec §4.10), so Trainer divides them by the accumulation steps.
+    # The method the trainer is named after; AdaFlash and DFlash have no paper id recorded in this repository.
+    _paper = {
+        "title": "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+        "id": "2306.13649",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @inproceedings{agarwal2024on-policy,
+                title        = {{On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes}},
+                author       = {Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and Piotr Stanczyk and
+                                Sabela Ramos Garea and Matthieu Geist and Olivier Bachem},
+                year         = 2024,
+                booktitle    = {The Twelfth International Conference on Learning Representations, {ICLR} 2024,
+                                Vienna, Austria, May 7-11, 2024},
+                publisher    = {OpenReview.net},
+                url          = {https://openreview.net/forum?id=3zKtaqxLhW},
+            }"""),
+    }
+    # Losses are per-micro-batch weighted means (docs/algorithm.md §4.10), so Trainer divides them by the
+    # accumulation steps.
     loss_is_scaled_for_ga = False
 
     def __init__(
@@ -184,7 +254,7 @@ class OPDTrainer(DistillationTrainer):
 
     def create_optimizer(self, model=None):
         """AdamW over the drafter at ``learning_rate`` and over the length head in its own group at
-        ``length_head_learning_rate`` (spec §4.10); weight decay applies to all, as in the reference."""
+        ``length_head_learning_rate`` (docs/algorithm.md §4.10); weight decay applies to all, as in the reference."""
         if self.optimizer is None:
             named = [(n, p) for n, p in (model or self.model).named_parameters() if p.requires_grad]
             head = [p for n, p in named if LENGTH_HEAD_PREFIX in n]
@@ -253,8 +323,8 @@ class OPDTrainer(DistillationTrainer):
         return (loss, None) if return_outputs else loss
 
     def _compute_loss(self, student, inputs):
-        """One micro-batch of spec §4: target features, N anchors per row, one block-masked drafter forward, the
-        drafting loss on the supervised slots, and the length-head loss on detached drafter states."""
+        """One micro-batch of docs/algorithm.md §4: target features, N anchors per row, one block-masked drafter
+        forward, the drafting loss on the supervised slots, and the length-head loss on detached drafter states."""
         args, drafter = self.args, _base_drafter(student)
         config, target = drafter.config, self.accelerator.unwrap_model(self.teacher_model)
         input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
@@ -327,6 +397,9 @@ class OPDTrainer(DistillationTrainer):
             {
                 "training_recipe": recipe,
                 "acceptance": f"{acceptance:.2f} (teacher-forced, training data)" if acceptance is not None else None,
+                "paper_title": self._paper["title"],
+                "paper_id": self._paper["id"],
+                "citation": self._paper["citation"],
             },
         )
         card = render_model_card("drafter", repo_id=repo_id, **fields)

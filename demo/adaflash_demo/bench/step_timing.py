@@ -18,7 +18,7 @@ from adaflash_hf.generation.stats import record_stats
 from adaflash_hf.modeling import AdaFlashDrafter
 
 SHAPES = {
-    # Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (spec §2.2)
+    # Qwen3-8B and the z-lab Qwen3-8B-DFlash-b16 drafter (docs/algorithm.md §2.2)
     "qwen3-8b": dict(
         target=dict(
             vocab_size=151936,

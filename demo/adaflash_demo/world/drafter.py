@@ -30,7 +30,7 @@ from .packing import load_streams
 class DrafterConfig:
     """Shape, data and training run of the world's drafter."""
 
-    num_hidden_layers: int = field(default=2, metadata={"help": "Drafter layers (cpu-world.md: 2 learn well)."})
+    num_hidden_layers: int = field(default=2, metadata={"help": "Drafter layers (docs/demo-world.md: 2 learn well)."})
     block_size: int = field(default=16, metadata={"help": "Tokens per drafted block, the anchor included."})
     target_layer_ids: list[int] = field(
         default_factory=lambda: [1, 3, 5], metadata={"help": "Target layers read as context (of 6)."}

@@ -1,7 +1,7 @@
-"""The demo world's target: an 8M-parameter Qwen3 trained on the four domains for a fixed time budget.
+"""The demo world's target: an 8M-parameter Qwen3 trained on the four domains for a fixed number of steps.
 
 8M parameters learn well in 10 minutes on 2 AMX cores (about 5k tokens/s under bf16 autocast); larger targets
-verify more cheaply per token but would be undertrained in the same time (see docs/cpu-world.md).
+verify more cheaply per token but would be undertrained in the same time (see docs/demo-world.md).
 """
 
 from __future__ import annotations
