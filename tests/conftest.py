@@ -4,8 +4,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# What the suite needs beyond the library's own dependencies, and where each comes from.
+TEST_REQUIREMENTS = {
+    "scipy": "pip install -e '.[dev]'",
+    "matplotlib": "pip install -e '.[plot]'",
+    "adaflash_demo": "pip install -e ./demo",
+}
+
+
+def pytest_configure(config):
+    """Stops at once, naming the install commands, instead of failing test modules one by one on their imports."""
+    missing = {name: hint for name, hint in TEST_REQUIREMENTS.items() if importlib.util.find_spec(name) is None}
+    if missing:
+        raise pytest.UsageError(
+            f"The test suite needs {', '.join(missing)}: run {'; '.join(dict.fromkeys(missing.values()))} "
+            "(or `make test`, which installs everything)."
+        )
+
 
 # Tiny models gain nothing from a second thread; two OpenMP threads on shared cores spin-wait (measured 40x slower).
 torch.set_num_threads(1)

@@ -1,6 +1,7 @@
 """The `adaflash` command on the shipped demo world (the README's main job), end to end."""
 
 import json
+import sys
 
 import pytest
 
@@ -82,3 +83,10 @@ def test_online_serves_a_prompt_file_and_names_a_bad_line(tmp_path, capsys):
     stream.write_text(json.dumps({"text": "no prompt field"}) + "\n")
     with pytest.raises(SystemExit, match="line 1 has no `prompt` field"):
         main(["online", "--prompts", str(stream), "--swap-dir", str(tmp_path / "b")])
+
+
+def test_plot_without_matplotlib_names_the_extra_before_serving(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without matplotlib raises
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'adaflash-hf\[plot\]'"):
+        main(["online", "--plot", str(tmp_path / "online.png"), "--swap-dir", str(tmp_path / "swap")])
+    assert not (tmp_path / "swap").exists()  # nothing was served
