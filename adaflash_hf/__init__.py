@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration import AdaFlashConfig, build_target_layer_ids
+from .configuration import AdaFlashConfig, AdaptiveLengthHeadConfig, build_target_layer_ids
 from .formats import CheckpointError
 from .generation import (
     AdaFlashCandidateGenerator,
@@ -24,7 +24,7 @@ from .generation import (
     record_stats,
     uninstall,
 )
-from .modeling import AdaFlashDrafter, AdaFlashDrafterOutput, AdaptiveLengthHead, AdaptiveLengthHeadConfig
+from .modeling import AdaFlashDrafter, AdaFlashDrafterOutput, AdaptiveLengthHead
 
 __version__ = "0.1.0"
 
