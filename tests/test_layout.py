@@ -2,7 +2,11 @@
 in the library imports the demo distribution (the CLI verbs that use it import it by name, when they run)."""
 
 import ast
+import sys
+from importlib.metadata import packages_distributions, requires
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 import adaflash_hf
 
@@ -65,3 +69,22 @@ def test_the_library_never_imports_the_demo():
         _module_name(p) for p in LIBRARY.rglob("*.py") if any(i.startswith("adaflash_demo") for i in _imports(p))
     )
     assert offenders == []
+
+
+def test_declared_dependencies_cover_every_third_party_import():
+    """The wheel's metadata names every distribution the library imports (matplotlib in its `plot` extra), so a plain
+    `pip install adaflash-hf` brings what the code needs."""
+    declared = {Requirement(r).name.lower().replace("_", "-") for r in requires("adaflash-hf")}
+    providers = packages_distributions()
+    imported = {
+        name.split(".")[0]
+        for path in LIBRARY.rglob("*.py")
+        for name in _imports(path)
+        if not name.startswith("adaflash_hf") and name.split(".")[0] not in sys.stdlib_module_names
+    }
+    undeclared = {
+        module: providers.get(module)
+        for module in imported
+        if not {d.lower().replace("_", "-") for d in providers.get(module, [module])} & declared
+    }
+    assert not undeclared, undeclared
