@@ -290,12 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash", description="AdaFlash speculative decoding for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo_parser = commands.add_parser("demo", help="plain generate() vs AdaFlash on the shipped demo world")
+    demo_parser = commands.add_parser(
+        "demo", help="plain generate() vs AdaFlash, on the demo world (pip install ./demo) or --target/--drafter"
+    )
     _add_model_args(demo_parser)
     demo_parser.add_argument("--prompts-per-domain", type=int, default=3)
     demo_parser.set_defaults(func=demo)
 
-    bench_parser = commands.add_parser("bench", help="all methods side by side")
+    bench_parser = commands.add_parser("bench", help="all methods side by side (needs: pip install ./demo)")
     _add_model_args(bench_parser)
     bench_parser.add_argument("--methods", help="comma-separated subset of the methods")
     bench_parser.add_argument("--batch-sizes", help="comma-separated (default 1,8,32; 1,8 with --quick)")
