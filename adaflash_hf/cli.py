@@ -8,15 +8,13 @@ import importlib
 import json
 import os
 import sys
-import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .generation import record_stats
 from .modeling import AdaFlashDrafter
 from .utils import read_jsonl
 
@@ -31,9 +29,16 @@ GENERIC_PROMPTS = {
 
 
 def _add_model_args(parser):
-    parser.add_argument("--target", help="target model id or path (default: the shipped demo world's target)")
-    parser.add_argument("--drafter", help="AdaFlash/DFlash drafter id or path (default: the demo world's drafter)")
-    parser.add_argument("--tokenizer", help="tokenizer id or path (default: the target's, or the demo world's)")
+    parser.add_argument("--target", help="target model id or path (default: the demo's, see --world)")
+    parser.add_argument("--drafter", help="AdaFlash/DFlash drafter id or path (default: the demo's, see --world)")
+    parser.add_argument("--tokenizer", help="tokenizer id or path (default: the target's)")
+    parser.add_argument(
+        "--world",
+        choices=["smollm2", "toy"],
+        default="smollm2",
+        help="the demo's target without --target: smollm2 (SmolLM2-135M-Instruct with the shipped drafter) or toy "
+        "(the first round's 8M-parameter world)",
+    )
     parser.add_argument("--dtype", default="float32", help="float32 (exact), bfloat16 or float16")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default 128; 64 with --quick)")
@@ -59,28 +64,50 @@ def demo_package(verb: str, module: str):
 
 
 def load_models(args):
-    """Target, tokenizer, drafter, optional AR draft model and prompts, from the demo world or the given ids."""
+    """Target, tokenizer, drafter, optional AR draft model and prompts (chat-rendered text by domain), from the
+    demo (``--world smollm2``: the real target, the default; ``--world toy``: the first round's toy world) or from
+    --target/--drafter."""
     dtype = getattr(torch, args.dtype)
-    if args.target is None:
-        world = demo_package(args.command, "world")
+    ar_draft = None
+    if args.target is None and args.world == "smollm2":
+        real, demo_module = demo_package(args.command, "smollm2"), demo_package(args.command, "demo")
         try:
-            target_path, tokenizer_path = world.world_artifact("target"), world.world_artifact("tokenizer")
-            drafter_path = args.drafter or world.world_artifact("drafter")
-            prompts = world.prompts_by_domain()
+            target, tokenizer = real.load_target(dtype=dtype)
+            drafter_path = args.drafter or demo_module.DRAFTER_DIR / "drafter"
+            prompts = demo_module.shipped_prompts(getattr(args, "prompts_per_domain", None) or 10_000)
         except FileNotFoundError as error:
             sys.exit(f"{error} Or pass --target and --drafter.")
-        tokenizer_path = args.tokenizer or tokenizer_path
-        ar_draft = world.load_world_model("ar_draft", dtype).to(args.device) if args.command == "bench" else None
+        target = target.to(args.device)
+        prompts = demo_module.chat_texts(tokenizer, prompts)
+        print(f"target: {real.TARGET_NAME}\ndrafter: {drafter_path}", file=sys.stderr)
     else:
-        if args.drafter is None:
-            sys.exit("--target needs --drafter (an AdaFlash or z-lab DFlash drafter for that target)")
-        target_path, drafter_path, tokenizer_path, ar_draft = args.target, args.drafter, args.tokenizer, None
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or target_path))
-    tokenizer.padding_side = "left"
-    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(args.device).eval()
+        if args.target is None:
+            world = demo_package(args.command, "world")
+            try:
+                target_path, tokenizer_path = world.world_artifact("target"), world.world_artifact("tokenizer")
+                drafter_path = args.drafter or world.world_artifact("drafter")
+                prompts = world.prompts_by_domain()
+            except FileNotFoundError as error:
+                sys.exit(f"{error} Or pass --target and --drafter.")
+            tokenizer_path = args.tokenizer or tokenizer_path
+            if args.command == "bench":
+                ar_draft = world.load_world_model("ar_draft", dtype).to(args.device)
+        else:
+            if args.drafter is None:
+                sys.exit("--target needs --drafter (an AdaFlash or z-lab DFlash drafter for that target)")
+            target_path, drafter_path, tokenizer_path = args.target, args.drafter, args.tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or target_path))
+        tokenizer.padding_side = "left"
+        target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(args.device).eval()
+        if args.target is not None:
+            prompts = _chat_prompts(tokenizer)
     drafter = AdaFlashDrafter.from_pretrained(str(drafter_path), dtype=dtype).to(args.device).eval()
-    if args.target is not None:
-        prompts = _chat_prompts(tokenizer)
+    if args.command == "demo" and args.prompts:
+        demo_module = demo_package(args.command, "demo")
+        try:
+            prompts = demo_module.chat_texts(tokenizer, demo_module.read_prompt_file(args.prompts))
+        except (OSError, demo_module.PromptFileError) as error:
+            sys.exit(str(error))
     return target, tokenizer, drafter, ar_draft, prompts
 
 
@@ -102,42 +129,40 @@ def _chat_prompts(tokenizer) -> dict[str, list[str]]:
 
 
 def demo(args) -> int:
-    """Plain generate() vs AdaFlash on a few prompts per domain: text, identity, acceptance, speed."""
+    """Plain generate() against AdaFlash (adaptive length), prompt by prompt at batch 1: one answer per domain,
+    then per domain whether every output is identical, the acceptance length and both speeds."""
+    harness, demo_module = demo_package("demo", "bench.harness"), demo_package("demo", "demo")
     target, tokenizer, drafter, _, prompts = load_models(args)
     chosen = {domain: texts[: args.prompts_per_domain] for domain, texts in prompts.items()}
-    total = sum(map(len, chosen.values()))
-    summary = []
-    with tqdm(total=total, desc="demo", unit="prompt", file=sys.stderr) as progress:
-        for domain, texts in chosen.items():
-            plain_s = fast_s = tokens = identical = 0
-            with record_stats() as stats:
-                for text in texts:
-                    inputs = tokenizer(text, return_tensors="pt").to(target.device)
-                    kwargs = dict(max_new_tokens=args.max_new_tokens or 128, do_sample=False)
-                    start = time.perf_counter()
-                    plain = target.generate(**inputs, **kwargs)
-                    middle = time.perf_counter()
-                    fast = target.generate(**inputs, assistant_model=drafter, **kwargs)
-                    end = time.perf_counter()
-                    plain_s, fast_s = plain_s + middle - start, fast_s + end - middle
-                    tokens += plain.shape[1] - inputs["input_ids"].shape[1]
-                    identical += int(torch.equal(plain, fast))
-                    progress.update(1)
-            new_text = tokenizer.decode(fast[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-            print(f"\n[{domain}] ...{text[-160:]!s}\n  -> {new_text[:240]!s}")
-            summary.append(
-                (domain, identical, len(texts), stats.mean_acceptance_length, tokens / plain_s, tokens / fast_s)
-            )
-    print("\n| domain | identical | acceptance length | plain tok/s | AdaFlash tok/s | speedup |")
-    print("|---|---|---|---|---|---|")
-    for domain, same, n, tau, plain_speed, fast_speed in summary:
-        speedup = fast_speed / plain_speed
-        print(f"| {domain} | {same}/{n} | {tau:.2f} | {plain_speed:.0f} | {fast_speed:.0f} | {speedup:.2f}x |")
-    mean = sum(row[5] / row[4] for row in summary) / len(summary)
+    samples = {}  # the last AdaFlash answer per domain, shown as an example
+
+    def keep_sample(domain, method, rows):
+        if method == "adaflash_adaptive":
+            samples[domain] = rows[-1]
+
+    with tqdm(total=sum(map(len, chosen.values())), desc="demo", unit="prompt", file=sys.stderr) as progress:
+        records = harness.run_benchmark(
+            target,
+            tokenizer,
+            chosen,
+            drafter=drafter,
+            methods=("plain", "adaflash_adaptive"),
+            max_new_tokens=args.max_new_tokens or 128,
+            progress=progress,
+            on_output=keep_sample,
+        )
+    for domain, texts in chosen.items():
+        answer = tokenizer.decode(samples[domain], skip_special_tokens=True)
+        print(f"\n[{domain}] ...{texts[-1][-200:]!s}\n  -> {answer[:300]!s}")
+    summary = demo_module.demo_records(records, {domain: len(texts) for domain, texts in chosen.items()})
+    print("\n" + demo_module.markdown(summary))
+    speedups = [r.speedup for r in summary]
     print(
-        f"\nmean speedup {mean:.2f}x ({args.dtype}, {target.device}); outputs identical: "
-        f"{sum(r[1] for r in summary)}/{sum(r[2] for r in summary)}"
+        f"\nmean speedup {sum(speedups) / len(speedups):.2f}x ({args.dtype}, {target.device}, batch 1, greedy); "
+        f"outputs identical to plain generate(): {sum(r.identical for r in summary)}/{sum(r.n for r in summary)}"
     )
+    if args.json:
+        Path(args.json).write_text("".join(json.dumps(asdict(r)) + "\n" for r in summary))
     return 0
 
 
@@ -149,7 +174,7 @@ def bench(args) -> int:
     harness, report = demo_package("bench", "bench.harness"), demo_package("bench", "bench.report")
     target, tokenizer, drafter, ar_draft, prompts = load_models(args)
     quick = {"batch_sizes": "1,8", "prompts_per_domain": 8, "max_new_tokens": 64}
-    full = {"batch_sizes": "1,8,32", "prompts_per_domain": 32, "max_new_tokens": 128}
+    full = {"batch_sizes": "1,8,32", "prompts_per_domain": 16, "max_new_tokens": 128}
     for name, default in (quick if args.quick else full).items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -294,7 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="plain generate() vs AdaFlash, on the demo world (pip install ./demo) or --target/--drafter"
     )
     _add_model_args(demo_parser)
-    demo_parser.add_argument("--prompts-per-domain", type=int, default=3)
+    demo_parser.add_argument("--prompts-per-domain", type=int, default=4)
+    demo_parser.add_argument(
+        "--prompts", help="JSONL of your own prompts: one object per line, `prompt` (plain text) and `domain`"
+    )
+    demo_parser.add_argument("--json", help="write one JSON record per domain here")
     demo_parser.set_defaults(func=demo)
 
     bench_parser = commands.add_parser("bench", help="all methods side by side (needs: pip install ./demo)")
@@ -330,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="demo-world stream: changelog (unseen in training, default), code, prose, man, math, or all (mixed)",
     )
     online_parser.add_argument("--num-requests", type=int, default=256)
+    online_parser.set_defaults(world="toy")  # its streams are the toy world's until the real target has its own
     online_parser.add_argument("--serve-batch-size", type=int, default=1, help="prompts per generate() call")
     online_parser.add_argument("--mode", default="drafter", choices=["drafter", "domain_adapters"])
     online_parser.add_argument("--swap-dir", default="runs/online", help="buffer, versions and metrics.jsonl")

@@ -1,4 +1,4 @@
-"""The `adaflash` command on the shipped demo world (the README's main job), end to end."""
+"""The `adaflash` command end to end: on the toy world (fast), and `adaflash demo` on the real target."""
 
 import json
 import sys
@@ -8,19 +8,45 @@ import pytest
 from adaflash_hf.cli import main
 
 
-def test_demo_runs_on_the_shipped_world_with_identical_outputs(capsys):
-    assert main(["demo", "--prompts-per-domain", "1", "--max-new-tokens", "24"]) == 0
+def test_demo_runs_on_the_toy_world_with_identical_outputs(capsys):
+    assert main(["demo", "--world", "toy", "--prompts-per-domain", "1", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
     assert "| domain | identical | acceptance length |" in out
     for domain in ("code", "prose", "man", "math"):
         assert f"| {domain} | 1/1 |" in out
-    assert "outputs identical: 4/4" in out and "mean speedup" in out
+    assert "outputs identical to plain generate(): 4/4" in out and "mean speedup" in out
+
+
+def test_demo_serves_a_prompt_file_and_writes_one_record_per_domain(tmp_path, capsys):
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "demo.jsonl"
+    rows = [{"prompt": "def add(a, b):", "domain": "mine"}, {"prompt": "The quick brown fox"}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["demo", "--world", "toy", "--prompts", str(prompts), "--max-new-tokens", "12", "--json", str(out)]
+    assert main(args) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["domain"] for r in records] == ["mine", "custom"]
+    keys = {"domain", "identical", "n", "mean_acceptance_length", "plain_tokens_per_s", "adaflash_tokens_per_s"}
+    assert all(keys | {"speedup"} == set(r) for r in records)
+    assert all(r["identical"] == r["n"] == 1 for r in records)
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [("not json", "is not JSON"), ('{"domain": "code"}', "has no `prompt` text"), ('{"prompt": " "}', "no `prompt`")],
+)
+def test_demo_names_the_bad_line_of_a_prompt_file(tmp_path, line, problem):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(SystemExit, match=f"prompts.jsonl:2 .*{problem}"):
+        main(["demo", "--world", "toy", "--prompts", str(prompts), "--max-new-tokens", "4"])
 
 
 def test_bench_quick_writes_records(tmp_path, capsys):
     path = tmp_path / "out.json"
     args = [
         "bench",
+        "--world",
+        "toy",
         "--quick",
         "--methods",
         "plain,adaflash_fixed,adaflash_adaptive",

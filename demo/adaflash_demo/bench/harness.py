@@ -123,8 +123,12 @@ def run_benchmark(
     max_new_tokens: int = 128,
     repeats: int = 1,
     progress=None,
+    on_output=None,
 ) -> list[BenchRecord]:
-    """Runs every usable method on every domain and batch size, interleaving methods batch by batch."""
+    """Runs every usable method on every domain and batch size, interleaving methods batch by batch.
+
+    ``on_output(domain, method, rows)``, if given, receives each call's generated token ids per row.
+    """
     dtype = str(target.dtype).replace("torch.", "")
     counter = ForwardCounter(target)
     records = []
@@ -144,6 +148,8 @@ def run_benchmark(
                 }
                 for method, rows in outputs.items():
                     tallies[method].identical += sum(r == p for r, p in zip(rows, outputs.get("plain", ())))
+                    if on_output is not None:
+                        on_output(domain, method, rows)
                 if progress is not None:
                     progress.update(1)
             plain_speed = _speed(tallies.get("plain"))
