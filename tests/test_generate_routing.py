@@ -197,7 +197,7 @@ def test_static_cache_is_refused():
 
 def test_batched_sliding_window_beyond_the_window_is_refused():
     target = tiny_target("mistral", sliding_window=16)
-    with pytest.raises(NotImplementedError, match="sliding-window target"):
+    with pytest.raises(NotImplementedError, match="sliding-window or chunked-attention target"):
         target.generate(
             torch.cat([PROMPT, PROMPT]), max_new_tokens=20, do_sample=False, assistant_model=tiny_drafter(target)
         )
