@@ -185,3 +185,29 @@ def test_classifier_free_guidance_is_refused_clearly():
         target.generate(
             torch.tensor([PROMPTS[0]]), max_new_tokens=5, guidance_scale=1.5, assistant_model=tiny_drafter(target)
         )
+
+
+# ------------------------------------------------------------------ cases 9, 15, 18: targets the hole compaction met
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("mistral", dict(sliding_window=4096)),  # mistral's default window, far beyond the generation
+        ("mistral", dict(sliding_window=41)),  # prompt + new tokens fill the window exactly: holes must not overflow
+        ("qwen2_moe", dict()),  # sliding_window=0 with use_sliding_window=False: every layer is full attention
+        ("deepseek_v3", dict(num_key_value_heads=4)),  # MLA: values narrower than keys
+    ],
+)
+def test_batched_greedy_with_forced_compaction_on_window_moe_and_mla_targets(family, overrides, monkeypatch):
+    from adaflash_hf.generation import decoding
+
+    monkeypatch.setattr(decoding, "COMPACT_FRACTION", 0.05)
+    compactions = []
+    original = decoding.SpeculativeDecoding._compact
+    monkeypatch.setattr(decoding.SpeculativeDecoding, "_compact", lambda self: (compactions.append(1), original(self)))
+    target = tiny_target(family, **overrides)
+    ids, mask, free = batch_and_references(target)
+    assert ids.shape[1] + 30 == 41
+    plain, ours = both(target, corrupting_oracle(target, free), ids, mask, max_new_tokens=30, eos_token_id=None)
+    assert torch.equal(ours, plain) and compactions

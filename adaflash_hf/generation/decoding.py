@@ -297,11 +297,13 @@ class SpeculativeDecoding:
         return padded if bool(padded.any()) else None
 
     def _room(self) -> int:
-        """Columns the next verification may add while every column stays inside the sliding window (or attention
-        chunk): within it, window and chunk masks, which count columns, holes included, mask nothing."""
-        if self.cache.get_seq_length() + self.generator.block_size > self.window and self.cache_mask is not None:
+        """Columns the next verification may add while the cache stays shorter than the sliding window (or attention
+        chunk): then no layer drops a column, and window and chunk masks, which count columns, holes included, mask
+        nothing, as in plain decoding within the window. Compaction frees columns; at least one is always free, since
+        `_check_call` keeps max_length within the window."""
+        if self.cache.get_seq_length() + self.generator.block_size >= self.window and self.cache_mask is not None:
             self._compact()
-        return self.window - self.cache.get_seq_length()
+        return self.window - 1 - self.cache.get_seq_length()
 
     # ------------------------------------------------------------------ commit and stop
 
