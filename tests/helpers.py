@@ -60,6 +60,7 @@ _TINY = {
     "n_positions": 512,
     "n_inner": 128,
     "n_ctx": 512,
+    "rotary_dim": 8,
     "d_model": 64,
     "n_layers": 4,
     "n_heads": 4,
@@ -100,7 +101,15 @@ def tiny_config(family: str, **overrides):
 def tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = (FAMILIES[family][1](config) if family in FAMILIES else AutoModelForCausalLM.from_config(config)).eval()
+    if family in FAMILIES:
+        model = FAMILIES[family][1](config)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # older architectures have no sdpa path
+            config._attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_config(config)
+    model.eval()
     # Random tiny models are near-uniform; sharper logits give greedy paths with structure and EOS hits.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)

@@ -211,3 +211,31 @@ def test_batched_greedy_with_forced_compaction_on_window_moe_and_mla_targets(fam
     assert ids.shape[1] + 30 == 41
     plain, ours = both(target, corrupting_oracle(target, free), ids, mask, max_new_tokens=30, eos_token_id=None)
     assert torch.equal(ours, plain) and compactions
+
+
+# ------------------------------------------------------------------ case 14: a drafter config from any target config
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt2", "codegen", "cohere2_moe"])
+def test_from_target_config_builds_a_working_drafter(family):
+    """Per-layer-type rope settings (gemma3_text), no `intermediate_size` (gpt2, codegen), `rms_norm_eps=None`
+    (cohere2_moe)."""
+    target = tiny_target(family)
+    ids = torch.tensor([PROMPTS[0]])
+    plain, ours = both(target, tiny_drafter(target), ids, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(ours, plain)
+
+
+def test_from_target_config_overrides_apply_before_the_target_is_read():
+    from transformers import MptConfig
+
+    from adaflash_hf import AdaFlashConfig
+
+    config = AdaFlashConfig.from_target_config(
+        MptConfig(d_model=64, n_heads=4, n_layers=4, vocab_size=128), mask_token_id=127, intermediate_size=96
+    )
+    assert (config.intermediate_size, config.hidden_size, config.num_target_layers) == (96, 64, 4)
+    with pytest.raises(ValueError, match="has no hidden_size; pass hidden_size=... as an override"):
+        AdaFlashConfig.from_target_config(
+            type("Bare", (), {"get_text_config": lambda self, decoder: self})(), mask_token_id=1
+        )

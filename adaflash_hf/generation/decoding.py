@@ -71,13 +71,15 @@ def _check_call(target, input_ids, generation_config, logits_processor, streamer
     check_processors(logits_processor)
     cache = model_kwargs.get("cache")
     if cache is None:
+        supported = getattr(target, "_supports_default_dynamic_cache", lambda: True)()
         raise ValueError(
             "AdaFlash decoding needs the target's KV cache (it verifies drafts against it and crops rejected ones); "
             + (
-                "drop use_cache=False."
-                if not generation_config.use_cache
-                else f"{type(target).__name__}.generate() prepares none (its modeling code predates the cache API). "
-                "Generate without assistant_model."
+                "this call runs without one: pass use_cache=True (it is False, given or from the model's generation "
+                "config)."
+                if supported
+                else f"{type(target).__name__} has no DynamicCache support (its modeling code predates the cache "
+                "API). Generate without assistant_model."
             )
         )
     if type(cache) is not DynamicCache:
