@@ -290,3 +290,9 @@ def test_a_target_whose_config_turns_the_cache_off_is_told_to_turn_it_on():
     plain = target.generate(PROMPT, max_new_tokens=20, do_sample=False, use_cache=True)
     ours = target.generate(PROMPT, max_new_tokens=20, do_sample=False, use_cache=True, assistant_model=drafter)
     assert torch.equal(ours, plain)
+
+
+def test_a_target_that_ignores_its_cache_is_refused_before_generating():
+    target = tiny_target("openai-gpt")  # its forward accepts a cache and never fills it
+    with pytest.raises(ValueError, match="OpenAIGPTLMHeadModel does not fill the KV cache"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))

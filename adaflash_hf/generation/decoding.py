@@ -215,6 +215,14 @@ class SpeculativeDecoding:
             output_hidden_states=self.hidden_layers,
             logits_to_keep=1,
         )
+        if self.cache.get_seq_length() != length:
+            # Older modeling code (openai-gpt, ...) accepts a cache and ignores it; plain decoding then re-reads the
+            # whole sequence each step, while verification would see the drafts without their context.
+            raise ValueError(
+                f"{type(self.target).__name__} does not fill the KV cache generate() gives it (its modeling code "
+                "predates the cache API), and AdaFlash decoding verifies drafts against that cache. Generate without "
+                "assistant_model."
+            )
         raw = outputs.logits[:, -1:].float()
         processed, first = process_positions(
             self.processors, self.sequences, self.lengths, raw.clone(), choose=self.generator.choose
