@@ -325,7 +325,7 @@ def test_push_to_hub_uploads_the_checkpoint_with_a_rendered_card(tmp_path):
     assert "3.1 (demo world)" in readme and 'AdaFlashDrafter.from_pretrained("me/tiny-adaflash")' in readme
 
 
-# ------------------------------------------------------------------ corrupted files: CheckpointError, never another error
+# ------------------------------------------------------------------ corrupted files: CheckpointError, nothing else
 
 
 def _rewrite_header(path, edit):

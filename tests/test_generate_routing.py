@@ -296,3 +296,15 @@ def test_a_target_that_ignores_its_cache_is_refused_before_generating():
     target = tiny_target("openai-gpt")  # its forward accepts a cache and never fills it
     with pytest.raises(ValueError, match="OpenAIGPTLMHeadModel does not fill the KV cache"):
         target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))
+
+
+@pytest.mark.parametrize("family", ["big_bird", "bert"])
+def test_a_bidirectional_target_is_refused_and_a_causal_one_works(family):
+    target = tiny_target(family)  # is_decoder=False: plain decoding feeds one token at a time, so it never notices
+    with pytest.raises(ValueError, match="attends bidirectionally"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))
+    target = tiny_target(family, is_decoder=True, attention_type="original_full")
+    plain = target.generate(PROMPT, max_new_tokens=20, do_sample=False)
+    assert torch.equal(
+        target.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant_model=tiny_drafter(target)), plain
+    )

@@ -69,6 +69,13 @@ def _check_call(target, input_ids, generation_config, logits_processor, streamer
             "generate() call, or drop the streamer."
         )
     check_processors(logits_processor)
+    if any(False in (getattr(m, "is_causal", None), getattr(m, "is_decoder", None)) for m in target.modules()):
+        raise ValueError(
+            f"{type(target).__name__} attends bidirectionally (a module has is_causal or is_decoder False, as "
+            "BERT-style models without is_decoder=True do): verifying several drafts in one forward would let each "
+            "position see the drafts after it. Build the target with is_decoder=True, or generate without "
+            "assistant_model."
+        )
     cache = model_kwargs.get("cache")
     if cache is None:
         supported = getattr(target, "_supports_default_dynamic_cache", lambda: True)()
