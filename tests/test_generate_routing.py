@@ -294,7 +294,7 @@ def test_a_target_whose_config_turns_the_cache_off_is_told_to_turn_it_on():
 
 def test_a_target_that_ignores_its_cache_is_refused_before_generating():
     target = tiny_target("openai-gpt")  # its forward accepts a cache and never fills it
-    with pytest.raises(ValueError, match="OpenAIGPTLMHeadModel does not fill the KV cache"):
+    with pytest.raises(ValueError, match="OpenAIGPTLMHeadModel keeps 0 KV-cache columns for 7 prompt tokens"):
         target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))
 
 

@@ -223,11 +223,13 @@ class SpeculativeDecoding:
             logits_to_keep=1,
         )
         if self.cache.get_seq_length() != length:
-            # Older modeling code (openai-gpt, ...) accepts a cache and ignores it; plain decoding then re-reads the
-            # whole sequence each step, while verification would see the drafts without their context.
+            # Older modeling code (openai-gpt, ...) accepts a cache and ignores it, so plain decoding re-reads the
+            # whole sequence each step while verification would see the drafts without their context; others add
+            # columns of their own, which the per-token holes and positions of the loop do not account for.
             raise ValueError(
-                f"{type(self.target).__name__} does not fill the KV cache generate() gives it (its modeling code "
-                "predates the cache API), and AdaFlash decoding verifies drafts against that cache. Generate without "
+                f"{type(self.target).__name__} keeps {self.cache.get_seq_length()} KV-cache columns for {length} "
+                "prompt tokens (its modeling code ignores the cache it is given, or adds columns of its own), and "
+                "AdaFlash decoding verifies drafts against a cache of one column per token. Generate without "
                 "assistant_model."
             )
         raw = outputs.logits[:, -1:].float()
