@@ -54,7 +54,7 @@ def draw_case(rng: random.Random) -> dict:
         options=options,
         drafter=rng.choice(["random", "oracle"]),
         block_size=rng.choice([2, 4, 8]),
-        policy=rng.choice(["fixed", "confidence"]),
+        policy=rng.choice(["fixed", "confidence", "adaptive"]),
         prefix=rng.random() < 0.2 and min(map(len, prompts)) > 2,
         second_turn=options.get("return_dict_in_generate", False) and rng.random() < 0.5,
         rejections=rng.random(),
@@ -86,8 +86,9 @@ def run_case(target, case, word_tokenizer):
             generate(assistant_model=tiny_drafter(target, block_size=case["block_size"]))
         return
     sequences = plain.sequences if options.get("return_dict_in_generate") else plain
+    head = dict(use_length_head=True, length_head_bottleneck_dim=16) if case["policy"] == "adaptive" else {}
     if case["drafter"] == "random":
-        drafter = tiny_drafter(target, block_size=case["block_size"])
+        drafter = tiny_drafter(target, block_size=case["block_size"], **head)
     else:
         # an oracle of plain's own output (plus filler past its end), wrong at random drafts
         references = [row[width - len(p) :].tolist() + [3] * 40 for row, p in zip(sequences, case["prompts"])]
@@ -98,6 +99,7 @@ def run_case(target, case, word_tokenizer):
             references,
             corrupt=lambda row, anchor: marks[row, anchor] if rng.random() < case["rejections"] else (),
             block_size=case["block_size"],
+            **head,
         )
     drafter.config.length_policy = case["policy"]
     ours = generate(assistant_model=drafter)
