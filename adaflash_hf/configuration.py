@@ -185,8 +185,14 @@ class AdaFlashConfig(PreTrainedConfig):
         """
         text = target_config.get_text_config(decoder=True)
 
+        def read(name):
+            try:
+                return getattr(text, name, None)
+            except Exception:  # e.g. a per-layer attribute whose layers disagree (Gemma 4): no single value to copy
+                return None
+
         def first(*names, default=None):
-            values = (getattr(text, name, None) for name in names)
+            values = (read(name) for name in names)
             return next((v for v in values if v is not None), default)
 
         def required(name, *aliases):
@@ -208,12 +214,12 @@ class AdaFlashConfig(PreTrainedConfig):
             "head_dim": lambda: first("head_dim", default=field("hidden_size") // field("num_attention_heads")),
             "hidden_act": lambda: first("hidden_act", "activation_function", default="silu"),
             "rms_norm_eps": lambda: first("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", default=1e-6),
-            "rope_parameters": lambda: _full_attention_rope(getattr(text, "rope_parameters", None)),
+            "rope_parameters": lambda: _full_attention_rope(read("rope_parameters")),
             "max_position_embeddings": lambda: first("max_position_embeddings", "n_positions", default=2048),
             "vocab_size": lambda: required("vocab_size"),
-            "bos_token_id": lambda: getattr(text, "bos_token_id", None),
-            "eos_token_id": lambda: getattr(text, "eos_token_id", None),
-            "pad_token_id": lambda: getattr(text, "pad_token_id", None),
+            "bos_token_id": lambda: read("bos_token_id"),
+            "eos_token_id": lambda: read("eos_token_id"),
+            "pad_token_id": lambda: read("pad_token_id"),
             "num_target_layers": lambda: required("num_hidden_layers", "n_layer", "num_layers"),
         }
 

@@ -216,10 +216,10 @@ def test_batched_greedy_with_forced_compaction_on_window_moe_and_mla_targets(fam
 # ------------------------------------------------------------------ case 14: a drafter config from any target config
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt2", "codegen", "cohere2_moe"])
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt2", "codegen", "cohere2_moe", "gemma4_unified_text"])
 def test_from_target_config_builds_a_working_drafter(family):
     """Per-layer-type rope settings (gemma3_text), no `intermediate_size` (gpt2, codegen), `rms_norm_eps=None`
-    (cohere2_moe)."""
+    (cohere2_moe), a `head_dim` that differs across layers and raises when read globally (gemma4_unified_text)."""
     target = tiny_target(family)
     ids = torch.tensor([PROMPTS[0]])
     plain, ours = both(target, tiny_drafter(target), ids, max_new_tokens=12, eos_token_id=None)
