@@ -232,26 +232,55 @@ class AdaFlashConfig(PreTrainedConfig):
         """Builds a drafter config for any decoder-only target.
 
         Hidden size, heads, head_dim, MLP width, norm eps, rope settings, vocabulary and special token ids come from
-        the target (its text config for multimodal targets) unless given in ``overrides``.
+        the target (its text config for multimodal targets) unless given in ``overrides``, which are applied first,
+        so a value the target's config lacks can be passed. Families name these fields differently; without any of
+        the MLP width's names the drafter gets ``4 * hidden_size`` (GPT-2's convention), and per-layer-type rope
+        settings (Gemma 3 and others) give the drafter, a full-attention model, those of ``full_attention``.
         """
         text = target_config.get_text_config(decoder=True)
-        heads = text.num_attention_heads
-        fields = {
-            "hidden_size": text.hidden_size,
-            "intermediate_size": text.intermediate_size,
-            "num_attention_heads": heads,
-            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-            "hidden_act": getattr(text, "hidden_act", "silu"),
-            "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
-            "rope_parameters": getattr(text, "rope_parameters", None),
-            "max_position_embeddings": text.max_position_embeddings,
-            "vocab_size": text.vocab_size,
-            "bos_token_id": text.bos_token_id,
-            "eos_token_id": text.eos_token_id,
-            "pad_token_id": text.pad_token_id,
-            "num_target_layers": text.num_hidden_layers,
+
+        def read(name):
+            try:
+                return getattr(text, name, None)
+            except Exception:  # e.g. a per-layer attribute whose layers disagree (Gemma 4): no single value to copy
+                return None
+
+        def first(*names, default=None):
+            values = (read(name) for name in names)
+            return next((v for v in values if v is not None), default)
+
+        def required(name, *aliases):
+            value = first(name, *aliases)
+            if value is None:
+                raise ValueError(
+                    f"AdaFlashConfig.from_target_config: the {type(text).__name__} has no {name}; pass {name}=... "
+                    "as an override"
+                )
+            return value
+
+        computed = {
+            "hidden_size": lambda: required("hidden_size", "n_embd", "d_model"),
+            "num_attention_heads": lambda: required("num_attention_heads", "n_head", "n_heads"),
+            "intermediate_size": lambda: first(
+                "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim", "d_ff", default=4 * field("hidden_size")
+            ),
+            "num_key_value_heads": lambda: first("num_key_value_heads", default=field("num_attention_heads")),
+            "head_dim": lambda: first("head_dim", default=field("hidden_size") // field("num_attention_heads")),
+            "hidden_act": lambda: first("hidden_act", "activation_function", default="silu"),
+            "rms_norm_eps": lambda: first("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", default=1e-6),
+            "rope_parameters": lambda: _full_attention_rope(read("rope_parameters")),
+            "max_position_embeddings": lambda: first("max_position_embeddings", "n_positions", default=2048),
+            "vocab_size": lambda: required("vocab_size"),
+            "bos_token_id": lambda: read("bos_token_id"),
+            "eos_token_id": lambda: read("eos_token_id"),
+            "pad_token_id": lambda: read("pad_token_id"),
+            "num_target_layers": lambda: required("num_hidden_layers", "n_layer", "num_layers"),
         }
+
+        def field(name):
+            return overrides[name] if name in overrides else computed[name]()
+
+        fields = {name: field(name) for name in computed}
         fields["target_model"] = getattr(target_config, "name_or_path", None) or None
         fields.update(overrides)
         return cls(
@@ -262,6 +291,16 @@ class AdaFlashConfig(PreTrainedConfig):
             use_length_head=use_length_head,
             **fields,
         )
+
+
+def _full_attention_rope(rope_parameters: dict | None) -> dict | None:
+    """Rope settings for the drafter: per-layer-type settings (``{"full_attention": {...}, ...}``) give those of
+    ``full_attention``, the drafter's only attention kind."""
+    if isinstance(rope_parameters, dict) and "rope_type" not in rope_parameters:
+        per_type = {k: v for k, v in rope_parameters.items() if isinstance(v, dict)}
+        if per_type:
+            return dict(per_type.get("full_attention", next(iter(per_type.values()))))
+    return rope_parameters
 
 
 @strict(accept_kwargs=True)

@@ -18,6 +18,7 @@ file of a repository is ever executed (the ``auto_map``/``dflash.py`` of z-lab r
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import warnings
@@ -45,6 +46,7 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder", "proxies")
+_FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # safetensors dtypes a drafter checkpoint may hold
 
 
 # ---------------------------------------------------------------------------------------------- config schema
@@ -80,7 +82,7 @@ def _root_message(error: BaseException) -> str:
 
 def _resolve(path_or_repo_id, filename: str, hub_kwargs: dict, required: bool = True) -> str | None:
     try:
-        return cached_file(
+        path = cached_file(
             path_or_repo_id,
             filename,
             _raise_exceptions_for_missing_entries=required,
@@ -91,6 +93,21 @@ def _resolve(path_or_repo_id, filename: str, hub_kwargs: dict, required: bool = 
         if not required:
             return None
         raise CheckpointError(f"Cannot find {filename} for {path_or_repo_id!r}: {error}") from error
+    if path is not None and os.path.isdir(path_or_repo_id):
+        _check_inside(path, path_or_repo_id)
+    return path
+
+
+def _check_inside(path: str, directory) -> None:
+    """A local checkpoint's files must lie in its folder: a symlink out of it would load whatever it points at. The
+    Hub cache's own layout, ``snapshots/<revision>/<file> -> ../../blobs/<hash>``, is the one exception."""
+    real, root = Path(path).resolve(), Path(directory).resolve()
+    blobs = root.parent.parent / "blobs"
+    if not (real.is_relative_to(root) or (root.parent.name == "snapshots" and real.is_relative_to(blobs))):
+        raise CheckpointError(
+            f"{path} leads outside the checkpoint folder {directory} (to {real}); copy the file into the folder "
+            "if it is meant to be part of the checkpoint."
+        )
 
 
 def resolve_weight_files(path_or_repo_id, hub_kwargs: dict) -> list[str]:
@@ -100,7 +117,10 @@ def resolve_weight_files(path_or_repo_id, hub_kwargs: dict) -> list[str]:
         return [single]
     index = _resolve(path_or_repo_id, WEIGHTS_INDEX_NAME, hub_kwargs, required=False)
     if index is not None:
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index} has no 'weight_map' of tensor names to shard files; the index is corrupt.")
+        shards = sorted(set(weight_map.values()))
         return [_resolve(path_or_repo_id, shard, hub_kwargs) for shard in shards]
     for name in PICKLED_WEIGHTS:
         if _resolve(path_or_repo_id, name, hub_kwargs, required=False) is not None:
@@ -115,9 +135,12 @@ def resolve_weight_files(path_or_repo_id, hub_kwargs: dict) -> list[str]:
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except json.JSONDecodeError as error:
+            raw = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON ({error}); the file is corrupt or truncated.") from error
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object; the file is corrupt.")
+    return raw
 
 
 def read_safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -135,11 +158,45 @@ def read_safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
             header = json.loads(handle.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(f"{path} has a corrupt safetensors header ({error}): {fix}.") from error
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object): {fix}.")
     header.pop("__metadata__", None)
-    needed = 8 + header_len + max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    spans = sorted((_tensor_span(path, name, entry, fix), name) for name, entry in header.items())
+    end = 0
+    for (begin, stop), name in spans:  # safetensors data is contiguous: each tensor starts where the last ended
+        if begin != end:
+            raise CheckpointError(f"{path}: tensor {name} starts at byte {begin}, expected {end}: {fix}.")
+        end = stop
+    needed = 8 + header_len + end
     if needed > size:
         raise CheckpointError(f"{path} is truncated ({size} of {needed} bytes): {fix}.")
     return {name: tuple(entry["shape"]) for name, entry in header.items()}
+
+
+def _tensor_span(path: str, name: str, entry, fix: str) -> tuple[int, int]:
+    """The byte span of one header entry, after checking that its dtype is a float type and that its shape and
+    dtype fill that span exactly (what the safetensors reader would otherwise reject with its own error)."""
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{path}: the header entry of {name} is not an object: {fix}.")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _FLOAT_BYTES:
+        raise CheckpointError(
+            f"{path}: tensor {name} has dtype {dtype!r}; drafter weights are floating point ({sorted(_FLOAT_BYTES)}): "
+            f"{fix}."
+        )
+    valid = (
+        isinstance(shape, list)
+        and all(isinstance(d, int) and d >= 0 for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    )
+    if not valid or offsets[1] - offsets[0] != math.prod(shape) * _FLOAT_BYTES[dtype]:
+        raise CheckpointError(
+            f"{path}: tensor {name} has shape {shape!r}, dtype {dtype} and offsets {offsets!r}, which disagree: {fix}."
+        )
+    return offsets[0], offsets[1]
 
 
 def check_weights(model: PreTrainedModel, shapes: dict[str, tuple[int, ...]], source: str) -> None:
@@ -206,8 +263,18 @@ def load_drafter(cls, path_or_repo_id, *model_args, **kwargs):
 
 def _shape_model(cls, config: AdaFlashConfig):
     """A weightless instance, for comparing the checkpoint's tensor names and shapes with what the config implies."""
-    with torch.device("meta"):
-        return cls(config)
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        AttributeError,
+    ) as error:  # a config that passed validation yet builds nothing
+        raise CheckpointError(
+            f"The config cannot build a drafter ({_root_message(error)}): it is malformed."
+        ) from error
 
 
 def save_drafter(model, save_directory, *args, save_format: str = "dflash", **kwargs) -> None:

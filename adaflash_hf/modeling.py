@@ -103,6 +103,20 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
     # Duck-typed marker read by the generate() routing: it survives PEFT wrapping, `isinstance` does not.
     _is_adaflash_drafter = True
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "generation_config":
+                raise
+            # transformers' own assisted decoding reads it first: the routing to AdaFlash is not installed
+            raise AttributeError(
+                "An AdaFlashDrafter is not a transformers assistant model: generate(assistant_model=drafter) reaches "
+                "AdaFlash decoding only while adaflash_hf's routing is installed, and it is not (adaflash_hf."
+                "uninstall() was called, or install() warned). Call adaflash_hf.install(), or use the patch-free "
+                "entry point: target.generate(**inputs, custom_generate=adaflash_hf.generate_loop, drafter=drafter)."
+            ) from None
+
     def __init__(self, config: AdaFlashConfig):
         super().__init__(config)
         self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])

@@ -6,6 +6,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -47,15 +49,70 @@ FAMILIES = {
 }
 
 
-def tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = config_cls(**{**_COMMON, **extra, **overrides})
+# Tiny sizes for any family's config, under each of the names families give them; a family gets those of its config's
+# own fields only, passed to its config class, so derived fields (layer types, head dims) follow.
+_TINY = {
+    **_COMMON,
+    "head_dim": 16,
+    "n_embd": 64,
+    "n_layer": 4,
+    "n_head": 4,
+    "n_positions": 512,
+    "n_inner": 128,
+    "n_ctx": 512,
+    "rotary_dim": 8,
+    "d_model": 64,
+    "n_layers": 4,
+    "n_heads": 4,
+    "num_layers": 4,
+    "ffn_hidden_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    # multi-head latent attention (DeepSeek-V2/V3 style): value heads narrower than query/key heads
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,  # = head_dim, which MLA configs use as the rotary width
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 8,
+}
+
+
+def tiny_config(family: str, **overrides):
+    """A tiny config of any transformers family: the hand-tuned `FAMILIES` ones, else the family's defaults shrunk
+    with `_TINY`."""
+    if family in FAMILIES:
+        config_cls, _, extra = FAMILIES[family]
+        config = config_cls(**{**_COMMON, **extra, **overrides})
+    else:
+        defaults = AutoConfig.for_model(family).to_dict()
+        config = AutoConfig.for_model(family, **{**{k: v for k, v in _TINY.items() if k in defaults}, **overrides})
     config._attn_implementation = "sdpa"
-    model = model_cls(config).eval()
+    return config
+
+
+def tiny_target(family: str = "qwen3", seed: int = 0, **overrides):
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    if family in FAMILIES:
+        model = FAMILIES[family][1](config)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # older architectures have no sdpa path
+            config._attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_config(config)
+    model.eval()
     # Random tiny models are near-uniform; sharper logits give greedy paths with structure and EOS hits.
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(8.0)
     return model
 
 

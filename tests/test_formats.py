@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import struct
 from unittest import mock
 
 import pytest
@@ -322,3 +323,92 @@ def test_push_to_hub_uploads_the_checkpoint_with_a_rendered_card(tmp_path):
     assert "base_model: Qwen/Qwen3-8B" in readme and "speculative-decoding" in readme
     assert "| block size | 8 |" in readme and "| target layer ids | [0, 2] |" in readme
     assert "3.1 (demo world)" in readme and 'AdaFlashDrafter.from_pretrained("me/tiny-adaflash")' in readme
+
+
+# ------------------------------------------------------------------ corrupted files: CheckpointError, nothing else
+
+
+def _rewrite_header(path, edit):
+    """Rewrites a safetensors file's JSON header through `edit(header) -> header`, keeping its data bytes."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = edit(json.loads(data[8 : 8 + length]))
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length :])
+
+
+def _first_tensor(header):
+    return next(name for name in header if name != "__metadata__")
+
+
+CORRUPTIONS = {
+    "flipped header bytes": lambda p: p.write_bytes(p.read_bytes()[:20] + b"\x00\xff" + p.read_bytes()[22:]),
+    "header length beyond the file": lambda p: p.write_bytes(struct.pack("<Q", 10**9) + p.read_bytes()[8:]),
+    "header not an object": lambda p: _rewrite_header(p, lambda h: [h]),
+    "entry without offsets": lambda p: _rewrite_header(p, lambda h: {**h, _first_tensor(h): {"dtype": "BF16"}}),
+    "unknown dtype": lambda p: _rewrite_header(
+        p, lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "dtype": "Q3"}}
+    ),
+    "dtype disagreeing with the byte size": lambda p: _rewrite_header(
+        p, lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "dtype": "F32"}}
+    ),
+    "integer tensor": lambda p: _rewrite_header(
+        p, lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "dtype": "I16"}}
+    ),
+    "overlapping offsets": lambda p: _rewrite_header(
+        p,
+        lambda h: {
+            k: ({**v, "data_offsets": [0, v["data_offsets"][1] - v["data_offsets"][0]]} if k != "__metadata__" else v)
+            for k, v in h.items()
+        },
+    ),
+}
+CONFIG_CORRUPTIONS = {
+    "config not an object": lambda p: p.write_text("[1, 2]"),
+    "config not UTF-8": lambda p: p.write_bytes(b'{"block_size": "\xff\xfe"}'),
+    "config geometry disagreeing with the tensors": lambda p: p.write_text(
+        json.dumps({**json.loads(p.read_text()), "hidden_size": 96})
+    ),
+    "config with a null field": lambda p: p.write_text(
+        json.dumps({**json.loads(p.read_text()), "num_hidden_layers": None})
+    ),
+    "config missing dflash_config": lambda p: p.write_text(
+        json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "dflash_config"})
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupted_weights_raise_checkpoint_error(tmp_path, corruption):
+    write_hub_checkpoint(tmp_path)
+    CORRUPTIONS[corruption](tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError):
+        AdaFlashDrafter.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("corruption", sorted(CONFIG_CORRUPTIONS))
+def test_corrupted_configs_raise_checkpoint_error(tmp_path, corruption):
+    write_hub_checkpoint(tmp_path)
+    CONFIG_CORRUPTIONS[corruption](tmp_path / "config.json")
+    with pytest.raises(CheckpointError):
+        AdaFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_a_weights_symlink_leading_outside_the_checkpoint_is_refused(tmp_path):
+    write_hub_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "elsewhere.safetensors").write_bytes((tmp_path / "ckpt" / "model.safetensors").read_bytes())
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    (tmp_path / "ckpt" / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        AdaFlashDrafter.from_pretrained(tmp_path / "ckpt")
+
+
+def test_the_hub_cache_layout_of_symlinks_into_blobs_loads(tmp_path):
+    tensors = write_hub_checkpoint(tmp_path / "snapshots" / "abc")
+    (tmp_path / "blobs").mkdir()
+    for name in ("model.safetensors", "config.json"):
+        link = tmp_path / "snapshots" / "abc" / name
+        (tmp_path / "blobs" / name).write_bytes(link.read_bytes())
+        link.unlink()
+        link.symlink_to(os.path.join("..", "..", "blobs", name))
+    assert _state_equal(AdaFlashDrafter.from_pretrained(tmp_path / "snapshots" / "abc"), tensors)

@@ -1,5 +1,6 @@
 """Routing of generate(assistant_model=...), the length policies against the native DFlash path, and errors."""
 
+import functools
 import threading
 import warnings
 
@@ -96,14 +97,37 @@ def test_install_is_idempotent_and_uninstall_restores():
     assert routing.is_installed()
     wrapped = GenerationMixin._assisted_decoding
     assert adaflash_hf.install() and GenerationMixin._assisted_decoding is wrapped
-    originals = {name: getattr(getattr(GenerationMixin, name), routing._MARK) for name in routing.EXPECTED_SIGNATURES}
+    originals = {name: previous for name, (_, previous) in routing._installed.items()}
     try:
-        adaflash_hf.uninstall()
+        assert adaflash_hf.uninstall()
         assert all(getattr(GenerationMixin, name) is fn for name, fn in originals.items())
         assert not routing.is_installed()
     finally:
         adaflash_hf.install()
     assert routing.is_installed()
+
+
+def test_uninstall_leaves_another_librarys_wrapper_on_top_of_ours(monkeypatch):
+    ours = GenerationMixin._assisted_decoding
+
+    @functools.wraps(ours)  # copies every attribute of ours, as stacking libraries do
+    def theirs(self, *args, **kwargs):
+        return ours(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_assisted_decoding", theirs)
+    with pytest.warns(UserWarning, match=r"\['_assisted_decoding'\] were wrapped again"):
+        assert adaflash_hf.uninstall() is False
+    assert GenerationMixin._assisted_decoding is theirs and routing.is_installed()
+
+
+def test_generate_after_uninstall_names_the_fix():
+    target = tiny_target()
+    adaflash_hf.uninstall()
+    try:
+        with pytest.raises(AttributeError, match="routing is installed.*custom_generate=adaflash_hf.generate_loop"):
+            target.generate(PROMPT, max_new_tokens=5, assistant_model=tiny_drafter(target))
+    finally:
+        adaflash_hf.install()
 
 
 def test_changed_internals_warn_and_the_custom_generate_entry_point_works(monkeypatch):
@@ -197,7 +221,7 @@ def test_static_cache_is_refused():
 
 def test_batched_sliding_window_beyond_the_window_is_refused():
     target = tiny_target("mistral", sliding_window=16)
-    with pytest.raises(NotImplementedError, match="sliding-window target"):
+    with pytest.raises(NotImplementedError, match="sliding-window or chunked-attention target"):
         target.generate(
             torch.cat([PROMPT, PROMPT]), max_new_tokens=20, do_sample=False, assistant_model=tiny_drafter(target)
         )
@@ -208,3 +232,79 @@ def test_sliding_window_target_at_batch_1_is_lossless():
     reference = _greedy(target)
     drafter = oracle_drafter(target, [reference[0]], corrupt=lambda row, anchor: {3} if anchor % 2 else ())
     assert torch.equal(_greedy(target, assistant_model=drafter), reference)
+
+
+def test_transformers_loop_refuses_batches_and_criteria_it_would_run_past(word_tokenizer):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    config = dict(max_new_tokens=20, do_sample=False, adaflash_decoding_loop="transformers")
+    with pytest.raises(ValueError, match="which is batch 1; this batch has 2 rows"):
+        target.generate(
+            torch.cat([PROMPT, PROMPT]), generation_config=GenerationConfig(**config), assistant_model=drafter
+        )
+    with pytest.raises(ValueError, match=r"run past \['StopStringCriteria'\]"):
+        target.generate(
+            PROMPT,
+            generation_config=GenerationConfig(**config, stop_strings=["ab"]),
+            tokenizer=word_tokenizer,
+            assistant_model=drafter,
+        )
+
+
+def test_a_streamer_at_batch_above_one_is_refused():
+    from test_generate_greedy import ChunkRecorder
+
+    target = tiny_target()
+    with pytest.raises(ValueError, match="this batch has 2 rows"):
+        target.generate(
+            torch.cat([PROMPT, PROMPT]),
+            max_new_tokens=5,
+            streamer=ChunkRecorder(),
+            assistant_model=tiny_drafter(target),
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(use_cache=False), "pass use_cache=True"),
+        (dict(inputs_embeds=True), "needs input_ids"),
+    ],
+)
+def test_calls_without_a_cache_or_ids_are_refused_clearly(kwargs, match):
+    target = tiny_target()
+    if kwargs.get("inputs_embeds"):
+        kwargs = dict(inputs_embeds=target.get_input_embeddings()(PROMPT))
+        inputs = None
+    else:
+        inputs = PROMPT
+    with pytest.raises(ValueError, match=match):
+        target.generate(inputs, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target), **kwargs)
+
+
+def test_a_target_whose_config_turns_the_cache_off_is_told_to_turn_it_on():
+    target = tiny_target("mpt")  # MptConfig defaults to use_cache=False
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="pass use_cache=True"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=drafter)
+    plain = target.generate(PROMPT, max_new_tokens=20, do_sample=False, use_cache=True)
+    ours = target.generate(PROMPT, max_new_tokens=20, do_sample=False, use_cache=True, assistant_model=drafter)
+    assert torch.equal(ours, plain)
+
+
+def test_a_target_that_ignores_its_cache_is_refused_before_generating():
+    target = tiny_target("openai-gpt")  # its forward accepts a cache and never fills it
+    with pytest.raises(ValueError, match="OpenAIGPTLMHeadModel keeps 0 KV-cache columns for 7 prompt tokens"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))
+
+
+@pytest.mark.parametrize("family", ["big_bird", "bert"])
+def test_a_bidirectional_target_is_refused_and_a_causal_one_works(family):
+    target = tiny_target(family)  # is_decoder=False: plain decoding feeds one token at a time, so it never notices
+    with pytest.raises(ValueError, match="attends bidirectionally"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))
+    target = tiny_target(family, is_decoder=True, attention_type="original_full")
+    plain = target.generate(PROMPT, max_new_tokens=20, do_sample=False)
+    assert torch.equal(
+        target.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant_model=tiny_drafter(target)), plain
+    )

@@ -272,3 +272,28 @@ def test_rollouts_are_drafted_by_the_current_drafter_and_unchanged(target, token
     assert drafted == reference
     assert stats.verification_steps > 0 and no_stats.verification_steps == 0
     assert speculative.model.training  # the drafter goes back to training mode
+
+
+def test_the_private_trl_and_accelerate_internals_are_checked_at_import(monkeypatch):
+    from adaflash_hf.training import trainer
+
+    assert trainer.missing_internals() == []  # the tested versions have them all
+
+    class RenamedTrainer:
+        def __init__(self, processing_class):
+            self._tokenizer = processing_class
+            self.eos_token_ids = []
+            self.metrics = {}  # renamed: OPDTrainer logs into `_metrics`
+
+    def prepare_model(model):
+        return model
+
+    missing = trainer.missing_internals(RenamedTrainer, prepare_model)
+    assert missing[0] == "trl RenamedTrainer: self._metrics ="
+    assert (
+        "accelerate test_the_private_trl_and_accelerate_internals_are_checked_at_import.<locals>.prepare_model: "
+        "_original_forward" in missing
+    )
+    monkeypatch.setattr(trainer, "missing_internals", lambda: missing)
+    with pytest.warns(UserWarning, match="tested with trl 1.16 and accelerate 1.15"):
+        trainer._warn_if_internals_changed()

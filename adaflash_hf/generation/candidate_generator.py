@@ -142,11 +142,13 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         sequences: torch.LongTensor,
         lengths: torch.LongTensor,
         max_drafts: torch.LongTensor,
+        rows: torch.LongTensor | None = None,
     ) -> Drafts:
         """Drafts one block per row after the queued context.
 
         anchors ``[B]``: last committed token per row (not yet seen by the target); anchor_positions ``[B]``: its
-        position. sequences ``[B, T]`` / lengths ``[B]``: committed ids per row, for the logits processors.
+        position. sequences ``[N, T]``: the whole batch's ids, for the logits processors; row ``b`` drafts after
+        ``sequences[rows[b], :lengths[b]]`` (``rows=None``: row ``b``; see `process_positions`).
         max_drafts ``[B]``: most drafts each row may still use (token budget minus the bonus token).
         """
         features, positions, valid = self._pending
@@ -180,7 +182,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             self.output_embeddings.weight.device, self.output_embeddings.weight.dtype
         )
         logits = self.output_embeddings(hidden).float().to(anchors.device)
-        logits, tokens = process_positions(self.logits_processor, sequences, lengths, logits, choose=self.choose)
+        logits, tokens = process_positions(
+            self.logits_processor, sequences, lengths, logits, choose=self.choose, rows=rows
+        )
         probs = torch.softmax(logits, dim=-1) if self.do_sample or self.policy.needs_confidence else None
         candidate_lengths = self.policy.candidate_lengths(
             self.block_size,

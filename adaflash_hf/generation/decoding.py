@@ -13,21 +13,30 @@ leave the batch and stop costing compute.
 
 Stopping is exact: a step's committed tokens are cut at EOS, at the token budget and at the first token where any
 other stopping criterion (stop strings, max time, custom criteria) fires, as plain decoding would have stopped there.
+Criteria and ids-dependent logits processors are called with the whole batch, as plain decoding calls them.
+
+What plain decoding does with a stopped row while the batch runs on is reproduced whenever the output shows it: the
+row then stays in the batch (padded with an EOS criterion, still generating without one) for its scores, its tokens
+and its cache columns, and the returned cache is rebuilt to plain decoding's layout (`_rebuild_cache`). A cache the
+caller prefilled with the start of the prompt is continued, not re-run. Whatever the loop cannot reproduce is refused
+by `_check_call` before anything runs.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import greedy_acceptance, speculative_sampling
 from .candidate_generator import AdaFlashCandidateGenerator
-from .processing import process_positions
+from .processing import check_processors, process_positions
 from .stats import CallRecorder
 
 COMPACT_FRACTION = 0.5  # compact the target cache once holes exceed this fraction of its columns
+# Cache layers the batched loop may mask, compact, select and rebuild; other kinds are refused at batch > 1.
+_BATCHABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
 
 
 def _prefill_positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.LongTensor:
@@ -38,19 +47,97 @@ def _prefill_positions(attention_mask: torch.Tensor | None, batch: int, length: 
     return positions.masked_fill(attention_mask == 0, 1)
 
 
-def _check_cache(cache, target, batch_size: int, max_length: int) -> None:
+def _check_call(target, input_ids, generation_config, logits_processor, streamer, model_kwargs) -> None:
+    """One clear error, before anything runs, for every generate() feature the loop does not reproduce exactly."""
+    batch, prompt_len = input_ids.shape
+    if "inputs_embeds" in model_kwargs or prompt_len == 0:
+        raise ValueError(
+            "AdaFlash decoding needs input_ids: the drafter and the acceptance rule work on token ids, and "
+            "generate(inputs_embeds=...) gives none. Pass input_ids, or drop assistant_model."
+        )
+    if generation_config.return_dict_in_generate:
+        for flag in ("output_attentions", "output_hidden_states"):
+            if getattr(generation_config, flag, False):
+                raise ValueError(
+                    f"{flag}=True is not supported with an AdaFlash drafter: the target runs one forward per "
+                    f"verified block, not per token, so there are no per-token {flag.removeprefix('output_')} to "
+                    f"return. Drop {flag}, or drop assistant_model."
+                )
+    if streamer is not None and batch > 1:
+        raise ValueError(
+            f"A streamer receives one row of tokens, and this batch has {batch} rows; stream one request per "
+            "generate() call, or drop the streamer."
+        )
+    check_processors(logits_processor)
+    if any(False in (getattr(m, "is_causal", None), getattr(m, "is_decoder", None)) for m in target.modules()):
+        raise ValueError(
+            f"{type(target).__name__} attends bidirectionally (a module has is_causal or is_decoder False, as "
+            "BERT-style models without is_decoder=True do): verifying several drafts in one forward would let each "
+            "position see the drafts after it. Build the target with is_decoder=True, or generate without "
+            "assistant_model."
+        )
+    cache = model_kwargs.get("cache")
+    if cache is None:
+        supported = getattr(target, "_supports_default_dynamic_cache", lambda: True)()
+        raise ValueError(
+            "AdaFlash decoding needs the target's KV cache (it verifies drafts against it and crops rejected ones); "
+            + (
+                "this call runs without one: pass use_cache=True (it is False, given or from the model's generation "
+                "config)."
+                if supported
+                else f"{type(target).__name__} has no DynamicCache support (its modeling code predates the cache "
+                "API). Generate without assistant_model."
+            )
+        )
     if type(cache) is not DynamicCache:
         raise ValueError(
             f"AdaFlash decoding needs a DynamicCache (it crops rejected drafts and masks holes), got "
             f"{type(cache).__name__}: drop cache_implementation= or pass cache_implementation='dynamic'."
         )
-    window = getattr(target.config.get_text_config(decoder=True), "sliding_window", None)
-    if batch_size > 1 and window is not None and max_length > window:
-        # A sliding window counts cache columns, holes included, so it would see fewer real tokens than plain decoding.
-        raise NotImplementedError(
-            f"Batched AdaFlash decoding with a sliding-window target is exact only while prompt + new tokens fit the "
-            f"window ({window}); got max_length={max_length}. Generate row by row, or lower max_new_tokens."
+    cached = cache.get_seq_length()
+    if cached >= prompt_len:
+        raise ValueError(
+            f"The cache already holds all {cached} prompt tokens; generate() needs at least one new one to start "
+            "from. Pass the cache of the prompt without its last token."
         )
+    if batch > 1:
+        others = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, _BATCHABLE_LAYERS)})
+        if others:
+            raise NotImplementedError(
+                f"Batched AdaFlash decoding masks and compacts cache columns, which {others} cache layers do not "
+                "support; generate one row per call."
+            )
+        window = _window(cache)
+        if window is not None and generation_config.max_length > window:
+            # Beyond the window a sliding (or chunked) layer drops columns by count, holes included.
+            raise NotImplementedError(
+                f"Batched AdaFlash decoding with a sliding-window or chunked-attention target is exact only while "
+                f"prompt + new tokens fit the window ({window}); got max_length={generation_config.max_length}. "
+                "Generate row by row, or lower max_new_tokens."
+            )
+
+
+def _window(cache) -> int | None:
+    """The smallest sliding window (or attention chunk) among the cache's layers: the layers say what the target
+    really uses (a config may carry a `sliding_window` no layer applies, as Qwen2-MoE's 0)."""
+    windows = [layer.sliding_window for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    return min(windows) if windows else None
+
+
+def _gather_columns(layer, index: torch.LongTensor, valid: torch.Tensor | None = None) -> None:
+    """Keeps columns ``index [B, W]`` of every row of a cache layer (zeros where ``valid`` is False). Keys and values
+    are gathered separately: their head dims may differ (MLA targets such as DeepSeek-V3)."""
+    if not getattr(layer, "is_initialized", False):
+        return
+    for name in ("keys", "values"):
+        states = getattr(layer, name)
+        picked = states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
+        if valid is not None:
+            picked = picked.masked_fill(~valid[:, None, :, None], 0)
+        setattr(layer, name, picked)
+    if hasattr(layer, "cumulative_length"):
+        # a sliding layer's length bookkeeping sizes the next mask; batched decoding keeps it inside the window
+        layer.cumulative_length = index.shape[1]
 
 
 class SpeculativeDecoding:
@@ -67,6 +154,7 @@ class SpeculativeDecoding:
         streamer,
         model_kwargs,
     ):
+        _check_call(target, input_ids, generation_config, logits_processor, streamer, model_kwargs)
         self.target = target
         self.config = generation_config
         self.processors = logits_processor
@@ -74,7 +162,7 @@ class SpeculativeDecoding:
         self.generator = AdaFlashCandidateGenerator(target, drafter, generation_config, logits_processor)
         self.hidden_layers = self.generator.model_kwargs_overrides["output_hidden_states"]
         self.cache = model_kwargs["cache"]
-        _check_cache(self.cache, target, input_ids.shape[0], generation_config.max_length)
+        self.window = _window(self.cache)
         self.cache.activate_past_recording()  # lets sliding-window layers roll back rejected tokens
         self.attention_mask = model_kwargs.get("attention_mask")
         self.position_ids = model_kwargs.get("position_ids")
@@ -88,14 +176,23 @@ class SpeculativeDecoding:
         self.sequences[:, :prompt_len] = input_ids
         self.lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=input_ids.device)
         self.active = torch.arange(batch, device=input_ids.device)  # original row index of each active row
+        # new tokens of each row when plain decoding would have stopped it (-1: still running)
+        self.stopped_at = torch.full((batch,), -1, dtype=torch.long, device=input_ids.device)
         eos = generation_config._eos_token_tensor
         self.eos = None if eos is None else eos.to(input_ids.device).flatten()
-        self.extra_criteria = [
-            c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
-        ]
+        self.extra_criteria = StoppingCriteriaList(
+            [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        )
         keep = generation_config.return_dict_in_generate
         self.scores = [[] for _ in range(batch)] if keep and generation_config.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if keep and generation_config.output_logits else None
+        # The cache outlives generate() when it is returned or was passed in (as in transformers' _sample).
+        self.returns_cache = keep or getattr(self.cache, "_is_user_defined", False) or self.cache.get_seq_length() > 0
+        # Plain decoding runs every row until the whole batch stops: a stopped row then gets padding (with an EOS
+        # criterion) or keeps generating (without one), and its scores and cache columns are computed all the same.
+        # Rows stay in the batch as *trailing* rows whenever any of that is visible in the output.
+        self.keep_rows = batch > 1 and (self.returns_cache or self.eos is None)
+        self.parked = {}  # row -> its cache columns and mask, once it left the batch (returned caches only)
         self.recorder = CallRecorder(batch, input_ids.device)
 
     # ------------------------------------------------------------------ loop
@@ -111,11 +208,13 @@ class SpeculativeDecoding:
 
     def prefill(self):
         batch, length = self.sequences.shape[0], self.prompt_len
+        cached = self.cache.get_seq_length()  # a prefix cache the caller filled (multi-turn, prompt caching)
         positions = self.position_ids
         if positions is None:
             positions = _prefill_positions(self.attention_mask, batch, length, self.sequences.device)
+        positions = positions[:, cached:]
         outputs = self.target(
-            input_ids=self.sequences[:, :length],
+            input_ids=self.sequences[:, cached:length],
             attention_mask=self.attention_mask,
             position_ids=positions,
             cache=self.cache,
@@ -123,26 +222,45 @@ class SpeculativeDecoding:
             output_hidden_states=self.hidden_layers,
             logits_to_keep=1,
         )
+        if self.cache.get_seq_length() != length:
+            # Older modeling code (openai-gpt, ...) accepts a cache and ignores it, so plain decoding re-reads the
+            # whole sequence each step while verification would see the drafts without their context; others add
+            # columns of their own, which the per-token holes and positions of the loop do not account for.
+            raise ValueError(
+                f"{type(self.target).__name__} keeps {self.cache.get_seq_length()} KV-cache columns for {length} "
+                "prompt tokens (its modeling code ignores the cache it is given, or adds columns of its own), and "
+                "AdaFlash decoding verifies drafts against a cache of one column per token. Generate without "
+                "assistant_model."
+            )
         raw = outputs.logits[:, -1:].float()
         processed, first = process_positions(
             self.processors, self.sequences, self.lengths, raw.clone(), choose=self.generator.choose
         )
         self.cache_mask = None if self.attention_mask is None else self.attention_mask.bool()
-        valid = None if self.attention_mask is None else self.attention_mask.bool()
+        # The drafter reads the target features of the new prompt tokens only; a cached prefix has none. Drafts may
+        # be worse for it; the output is not, since the target verifies every token.
+        valid = None if self.attention_mask is None else self.attention_mask[:, cached:].bool()
         self.generator.add_context(self.generator.context_features(outputs.hidden_states), positions, valid)
         self.next_positions = positions[:, -1] + 1
-        self.commit(first, torch.ones(batch, dtype=torch.long, device=first.device), processed, raw)
+        self.commit(first, torch.ones(batch, dtype=torch.long, device=first.device), processed, raw, width=1)
 
     def step(self):
         rows, generator = self.active, self.generator
         start = self.recorder.clock()
-        budget = self.max_new_tokens - (self.lengths[rows] - self.prompt_len)
+        budget = self._limit() - (self.lengths[rows] - self.prompt_len)
+        max_drafts = budget - 1
+        if self.window is not None:
+            max_drafts = torch.clamp(max_drafts, max=self._room() - 1)
         anchors = self.sequences[rows, self.lengths[rows] - 1]
-        drafts = generator.draft(anchors, self.next_positions, self.sequences[rows], self.lengths[rows], budget - 1)
+        drafts = generator.draft(anchors, self.next_positions, self.sequences, self.lengths[rows], max_drafts, rows)
         drafted = self.recorder.clock()
 
         width = int(drafts.num_drafts.max()) + 1
-        verify_ids = torch.cat([anchors[:, None], drafts.tokens[:, : width - 1]], dim=1)
+        draft_tokens = drafts.tokens[:, : width - 1]
+        padded = self._padded_rows()
+        if padded is not None:
+            draft_tokens = draft_tokens.masked_fill(padded[:, None], self.pad_token_id)
+        verify_ids = torch.cat([anchors[:, None], draft_tokens], dim=1)
         offsets = torch.arange(width, device=verify_ids.device)
         fed = offsets <= drafts.num_drafts[:, None]  # [B, width]: padding beyond a row's drafts is masked
         outputs = self.target(
@@ -157,27 +275,22 @@ class SpeculativeDecoding:
 
         raw = outputs.logits.float()
         processed, _ = process_positions(
-            self.processors, self.sequences[rows], self.lengths[rows], raw.clone(), tokens=verify_ids[:, 1:]
+            self.processors, self.sequences, self.lengths[rows], raw.clone(), tokens=draft_tokens, rows=rows
         )
-        draft_tokens = drafts.tokens[:, : width - 1]
         if generator.do_sample:
             accepted, following = speculative_sampling(
                 draft_tokens, drafts.probs[:, : width - 1], torch.softmax(processed, -1), drafts.num_drafts
             )
         else:
             accepted, following = greedy_acceptance(draft_tokens, processed, drafts.num_drafts)
+        if padded is not None:  # plain decoding appends padding to stopped rows whatever the target predicts
+            accepted = torch.where(padded, drafts.num_drafts, accepted)
+            following = following.masked_fill(padded, self.pad_token_id)
         committed = torch.cat([draft_tokens, following[:, None]], dim=1).scatter(
             1, accepted[:, None], following[:, None]
         )
-
-        self._keep_in_cache(offsets <= accepted[:, None], width)
-        generator.add_context(
-            generator.context_features(outputs.hidden_states),
-            self.next_positions[:, None] + offsets,
-            offsets <= accepted[:, None],
-        )
-        self.next_positions = self.next_positions + accepted + 1
-        emitted = self.commit(committed, accepted + 1, processed, raw)
+        features = generator.context_features(outputs.hidden_states)
+        emitted = self.commit(committed, accepted + 1, processed, raw, width, features)
         self.recorder.add(
             rows=rows.tolist(),
             candidate_lengths=(drafts.num_drafts + 1).tolist(),
@@ -188,16 +301,46 @@ class SpeculativeDecoding:
             target_time_s=verified - drafted,
         )
 
+    def _limit(self) -> int:
+        """New tokens every row runs to: the budget, or, once plain decoding would have stopped every row, the
+        length at which the last one stopped."""
+        if bool((self.stopped_at >= 0).all()):
+            return int(self.stopped_at.max())
+        return self.max_new_tokens
+
+    def _padded_rows(self) -> torch.Tensor | None:
+        """Active rows that plain decoding has stopped and now pads (``None``: none)."""
+        if not self.keep_rows or self.eos is None:
+            return None
+        padded = self.stopped_at[self.active] >= 0
+        return padded if bool(padded.any()) else None
+
+    def _room(self) -> int:
+        """Columns the next verification may add while the cache stays shorter than the sliding window (or attention
+        chunk): then no layer drops a column, and window and chunk masks, which count columns, holes included, mask
+        nothing, as in plain decoding within the window. Compaction frees columns; at least one is always free, since
+        `_check_call` keeps max_length within the window."""
+        if self.cache.get_seq_length() + self.generator.block_size >= self.window and self.cache_mask is not None:
+            self._compact()
+        return self.window - 1 - self.cache.get_seq_length()
+
     # ------------------------------------------------------------------ commit and stop
 
-    def commit(self, tokens, counts, processed, raw) -> torch.LongTensor:
+    def commit(self, tokens, counts, processed, raw, width, features=None) -> torch.LongTensor:
         """Appends ``tokens[b, :counts[b]]`` to each active row, cut where plain decoding would have stopped.
 
-        tokens ``[B, n]``; processed/raw ``[B, n, V]`` target logits behind them. Returns the counts committed.
-        Finished rows leave the batch.
+        tokens ``[B, n]``; processed/raw ``[B, n, V]`` target logits behind them; the cache holds `width` new columns
+        per row (the verified ids, `features` their drafter context) of which the committed ones stay. Returns the
+        counts committed. Rows leave the batch once no output needs them any more.
         """
         rows = self.active
-        counts, finished = self._stop_points(tokens, counts)
+        counts, stops = self._stop_points(tokens, counts)
+        offsets = torch.arange(width, device=tokens.device)
+        if features is not None:
+            kept = offsets < counts[:, None]  # the anchor and the committed tokens but the last (the next anchor)
+            self._keep_in_cache(kept, width)
+            self.generator.add_context(features, self.next_positions[:, None] + offsets, kept)
+            self.next_positions = self.next_positions + counts
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         keep = offsets < counts[:, None]
         columns = (self.lengths[rows, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
@@ -205,38 +348,56 @@ class SpeculativeDecoding:
         for per_row, values in ((self.scores, processed), (self.raw_logits, raw)):
             for slot, row in enumerate(rows.tolist() if per_row is not None else ()):
                 per_row[row].extend(values[slot, : int(counts[slot])])
-        if self.streamer is not None and len(rows) == 1:
+        if self.streamer is not None:
             self.streamer.put(tokens[0, : int(counts[0])].cpu())
         self.lengths[rows] += counts
-        if finished.any():
-            self._drop(~finished)
+        self.stopped_at[rows[stops]] = self.lengths[rows[stops]] - self.prompt_len
+        if self.keep_rows:
+            leaving = self.lengths[rows] - self.prompt_len >= self._limit()
+        else:
+            leaving = stops
+        if leaving.any():
+            self._drop(~leaving)
         return counts
 
     def _stop_points(self, tokens, counts) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Cuts each row's counts where plain decoding stops it; returns (counts, rows that stop here)."""
         rows = self.active
-        budget = self.max_new_tokens - (self.lengths[rows] - self.prompt_len)
-        finished = counts >= budget
-        counts = torch.minimum(counts, budget)
+        generated = self.lengths[rows] - self.prompt_len
+        counts = torch.minimum(counts, self._limit() - generated)
+        running = self.stopped_at[rows] < 0
+        stops = running & (generated + counts >= self.max_new_tokens)
         if self.eos is not None:
             is_eos = torch.isin(tokens, self.eos) & (
                 torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
             )
-            hit = is_eos.any(-1)
+            hit = is_eos.any(-1) & running
             counts = torch.where(hit, is_eos.int().argmax(-1) + 1, counts)
-            finished |= hit
-        for slot in range(len(rows)) if self.extra_criteria else ():
-            stop = self._first_criterion_stop(int(rows[slot]), tokens[slot, : int(counts[slot])])
-            if stop is not None:
-                counts[slot], finished[slot] = stop, True
-        return counts, finished
+            stops |= hit
+        if len(self.extra_criteria) and bool(running.any()):
+            counts, stops = self._criteria_stops(tokens, counts, stops, running)
+        return counts, stops
 
-    def _first_criterion_stop(self, row: int, new_tokens: torch.LongTensor) -> int | None:
-        history = self.sequences[row, : int(self.lengths[row])]
-        for count in range(1, len(new_tokens) + 1):
-            ids = torch.cat([history, new_tokens[:count]])[None]
-            if any(bool(criterion(ids, None).any()) for criterion in self.extra_criteria):
-                return count
-        return None
+    def _criteria_stops(self, tokens, counts, stops, running):
+        """Calls the other stopping criteria (stop strings, max time, custom ones) as plain decoding does: on the
+        whole batch, once per sequence length, so criteria that index rows or keep per-row state see each row at its
+        own index; the first length at which a running row's criterion fires cuts its counts."""
+        rows = self.active
+        ids = self.sequences.clone()
+        new = torch.arange(tokens.shape[1], device=tokens.device)
+        writable = new < counts[:, None]
+        columns = (self.lengths[rows, None] + new).clamp(max=ids.shape[1] - 1)
+        ids[rows[:, None].expand_as(columns)[writable], columns[writable]] = tokens[writable]
+        counts, stops = counts.clone(), stops.clone()
+        first, last = int(self.lengths[rows].min()) + 1, int((self.lengths[rows] + counts).max())
+        for length in range(first, last + 1):
+            at = running & ~stops & (self.lengths[rows] < length) & (length <= self.lengths[rows] + counts)
+            if not bool(at.any()):
+                continue
+            fired = self.extra_criteria(ids[:, :length], None)[rows] & at
+            counts = torch.where(fired, length - self.lengths[rows], counts)
+            stops |= fired
+        return counts, stops
 
     # ------------------------------------------------------------------ target cache holes
 
@@ -278,12 +439,16 @@ class SpeculativeDecoding:
         # stable order: holes first, then valid columns in their original order
         order = torch.sort(mask.int(), dim=1, stable=True).indices[:, -keep:]
         for layer in self.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+            _gather_columns(layer, order)
         self.cache_mask = mask.gather(1, order)
+        if self.cache_mask.all():
+            self.cache_mask = None
 
     def _drop(self, keep: torch.Tensor) -> None:
         index = keep.nonzero().squeeze(-1)
+        if self.keep_rows and self.returns_cache:
+            for slot in (~keep).nonzero().flatten().tolist():
+                self._park(slot)
         self.active = self.active[index]
         self.next_positions = self.next_positions[index]
         if not self.active.numel():
@@ -295,11 +460,22 @@ class SpeculativeDecoding:
             if self.cache_mask.all():
                 self.cache_mask = None
 
+    def _park(self, slot: int) -> None:
+        """Keeps a leaving row's cache columns, for the cache returned at the end."""
+        layers = [
+            (layer.keys[slot], layer.values[slot]) if getattr(layer, "is_initialized", False) else None
+            for layer in self.cache.layers
+        ]
+        mask = None if self.cache_mask is None else self.cache_mask[slot]
+        self.parked[int(self.active[slot])] = (layers, mask)
+
     # ------------------------------------------------------------------ output
 
     def output(self):
-        generated = int((self.lengths - self.prompt_len).max())
+        generated = int(self.stopped_at.max())
         sequences = self.sequences[:, : self.prompt_len + generated]
+        if self.keep_rows and self.returns_cache:
+            self._rebuild_cache(generated)
         if not self.config.return_dict_in_generate:
             return sequences
         return GenerateDecoderOnlyOutput(
@@ -309,16 +485,47 @@ class SpeculativeDecoding:
             cache=self.cache,
         )
 
+    def _rebuild_cache(self, generated: int) -> None:
+        """Leaves in the cache what plain decoding leaves: every row, ``prompt + generated - 1`` columns, each row's
+        tokens right-aligned under its left padding. Columns under the padding hold zeros (plain decoding holds the
+        padding's keys there; an attention mask hides both)."""
+        width = self.prompt_len + generated - 1
+        real = (
+            torch.full_like(self.lengths, self.prompt_len)
+            if self.attention_mask is None
+            else self.attention_mask.sum(-1).long()
+        )
+        indices, valids = [], []
+        for row in range(len(self.lengths)):
+            layers, mask = self.parked[row]
+            columns = next(t for t in layers if t is not None)[0].shape[1]
+            valid_columns = torch.arange(columns, device=real.device) if mask is None else mask.nonzero().flatten()
+            need = int(real[row]) + generated - 1
+            indices.append(torch.cat([valid_columns.new_zeros(width - need), valid_columns[:need]]))
+            valids.append(torch.arange(width, device=real.device) >= width - need)
+        index, valid = torch.stack(indices), torch.stack(valids)
+        for i, layer in enumerate(self.cache.layers):
+            parts = [self.parked[row][0][i] for row in range(len(self.lengths))]
+            if parts[0] is None:
+                continue
+            for name, which in (("keys", 0), ("values", 1)):
+                longest = max(p[which].shape[1] for p in parts)
+                # rows parked at different steps hold different numbers of columns: pad them to a common width
+                setattr(
+                    layer,
+                    name,
+                    torch.stack(
+                        [torch.nn.functional.pad(p[which], (0, 0, 0, longest - p[which].shape[1])) for p in parts]
+                    ),
+                )
+            _gather_columns(layer, index, valid)
+
     @staticmethod
     def _per_token(per_row, generated):
-        """Per-row lists of ``[V]`` tensors -> tuple over generated positions of ``[B, V]``, zeros after a row ends."""
+        """Per-row lists of ``[V]`` tensors -> tuple over generated positions of ``[B, V]``."""
         if per_row is None:
             return None
-        template = next(t for row in per_row for t in row)
-        return tuple(
-            torch.stack([row[i] if i < len(row) else torch.zeros_like(template) for row in per_row])
-            for i in range(generated)
-        )
+        return tuple(torch.stack([row[i] for row in per_row]) for i in range(generated))
 
 
 def adaflash_decoding(

@@ -2,8 +2,14 @@
 
 Lossless sampling needs the drafter's distribution after *the same* processors the target gets, each position seeing
 the ids before it. Processors that ignore the ids (temperature, top-k/p, min-p, ...) run once over all positions;
-the others (repetition penalty, n-gram bans, ...) run position by position and row by row, because rows of a batch
-hold different numbers of committed tokens.
+the others (repetition penalty, n-gram bans, prefix constraints, ...) run position by position, and are called the
+way plain generate() calls them: with the *whole* batch at one sequence length. Processors may index rows
+(``prefix_allowed_tokens_fn(batch_id, ids)``, a per-row ``prompt_ignore_length``), so row ``b`` must sit at index
+``b`` of a full-size batch; rows of a speculative batch hold different numbers of tokens, so each call serves the
+positions of every row that reaches that length, and the other rows' outputs are discarded.
+
+Processors that keep state across calls on the assumption of one call per generated token cannot be fed speculative
+positions (several per call, rejected ones rolled back): `check_processors` refuses them.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     SuppressTokensLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
 _IDS_INDEPENDENT = (
@@ -36,6 +44,19 @@ _IDS_INDEPENDENT = (
     InfNanRemoveLogitsProcessor,
 )
 
+# processor -> (the generate() argument that adds it, why it cannot run on speculative positions)
+_STATEFUL = {
+    UnbatchedClassifierFreeGuidanceLogitsProcessor: (
+        "guidance_scale",
+        "classifier-free guidance runs the target on the unconditional prompt with a cache of its own, one token per "
+        "call",
+    ),
+    SynthIDTextWatermarkLogitsProcessor: (
+        "watermarking_config (SynthID)",
+        "the SynthID watermark keeps a per-call state that assumes one call per generated token",
+    ),
+}
+
 TokenChooser = Callable[[torch.Tensor], torch.LongTensor]
 
 
@@ -46,6 +67,18 @@ def token_chooser(do_sample: bool) -> TokenChooser:
     return lambda logits: logits.argmax(dim=-1)
 
 
+def check_processors(processors: LogitsProcessorList) -> None:
+    """Refuses, before anything runs, the processors whose state cannot follow speculative decoding."""
+    for processor in processors:
+        for kind, (argument, why) in _STATEFUL.items():
+            if isinstance(processor, kind):
+                raise ValueError(
+                    f"{argument} is not supported with an AdaFlash drafter: {why}, while speculative verification "
+                    f"processes several positions per call and rolls rejected ones back. Drop {argument}, or drop "
+                    "assistant_model to generate without speculation."
+                )
+
+
 def process_positions(
     processors: LogitsProcessorList,
     sequences: torch.LongTensor,
@@ -53,12 +86,15 @@ def process_positions(
     logits: torch.Tensor,
     tokens: torch.LongTensor | None = None,
     choose: TokenChooser | None = None,
+    rows: torch.LongTensor | None = None,
 ) -> tuple[torch.Tensor, torch.LongTensor | None]:
     """Processes ``logits [B, n, V]`` (float32, modified in place) position by position.
 
-    Position ``i`` of row ``b`` sees ids ``sequences[b, :lengths[b]] + tokens[b, :i]``. With ``tokens=None`` they are
-    chosen on the way by ``choose`` (drafting); otherwise they are given (verification). Returns the processed
-    logits and the chosen tokens (``None`` when none were chosen).
+    sequences ``[N, T]``: the whole batch as plain generate() holds it (finished rows included); row ``b`` of the
+    logits is row ``rows[b]`` of it (``rows=None``: row ``b``), with ``lengths[b]`` committed ids. Position ``i`` of
+    row ``b`` sees ids ``sequences[rows[b], :lengths[b]] + tokens[b, :i]``. With ``tokens=None`` they are chosen on
+    the way by ``choose`` (drafting); otherwise they are given (verification). Returns the processed logits and the
+    chosen tokens (``None`` when none were chosen).
     """
     batch, width = logits.shape[:2]
     if all(isinstance(p, _IDS_INDEPENDENT) for p in processors):
@@ -67,13 +103,21 @@ def process_positions(
             logits = processors(sequences[:1].expand(flat.shape[0], -1), flat).view_as(logits)
         return logits, (choose(logits.flatten(0, 1)).view(batch, width) if choose else None)
 
+    if rows is None:
+        rows = torch.arange(batch, device=sequences.device)
     chosen = torch.empty(batch, width, dtype=torch.long, device=logits.device) if choose else None
     following = chosen if choose else tokens
-    for b in range(batch):
-        history = sequences[b, : int(lengths[b])]
-        for i in range(width):
-            ids = torch.cat([history, following[b, :i]])[None]
-            logits[b, i] = processors(ids, logits[b, i][None])[0]
+    # scratch copy of the batch; each row grows by the tokens of the positions processed so far
+    ids = torch.cat([sequences, sequences.new_zeros(sequences.shape[0], width)], dim=1)
+    for i in range(width):
+        if i:
+            ids[rows, lengths + i - 1] = following[:, i - 1]
+        seen = lengths + i
+        for length in seen.unique().tolist():
+            members = (seen == length).nonzero().squeeze(-1)
+            scores = logits.new_zeros(sequences.shape[0], logits.shape[-1])
+            scores[rows[members]] = logits[members, i]
+            logits[members, i] = processors(ids[:, :length], scores)[rows[members]]
             if choose:
-                chosen[b, i] = choose(logits[b, i][None])[0]
+                chosen[members, i] = choose(logits[members, i])
     return logits, chosen

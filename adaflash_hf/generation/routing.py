@@ -8,11 +8,14 @@ otherwise chains to the method that was there before, so ordinary assistants and
 * `_validate_generation_mode`: clear errors for what speculative decoding cannot do (beam search, ...);
 * `_assisted_decoding`: our loop (`decoding.py`), any batch size;
 * `_get_candidate_generator`: `AdaFlashCandidateGenerator`, for callers that choose transformers' own loop with
-  ``GenerationConfig(adaflash_decoding_loop="transformers")`` (batch 1; compile, output_attentions, ...).
+  ``GenerationConfig(adaflash_decoding_loop="transformers")`` (batch 1; compile, output_attentions, ...). That loop
+  checks stopping criteria once per accepted block, so it is refused with criteria beyond EOS and max length (stop
+  strings, custom criteria), where it would run past the stop; our loop cuts a block exactly there.
 
 ``speculation_type="dflash"`` always reaches transformers' native DFlash path, with our drafter as its assistant.
 The wrapped signatures are checked at install; if they changed, nothing is wrapped and a warning points to the
-public `custom_generate=adaflash_hf.generate_loop` entry point, which needs no patch.
+public `custom_generate=adaflash_hf.generate_loop` entry point, which needs no patch. `uninstall()` restores a method
+only while ours is still the one installed (by identity): a wrapper another library stacked on top stays.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import inspect
 import warnings
 
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerationMixin
 
 from .candidate_generator import AdaFlashCandidateGenerator
@@ -55,7 +59,8 @@ EXPECTED_SIGNATURES = {
     ),
     "_validate_generation_mode": ("self", "generation_mode", "generation_config", "generation_mode_kwargs"),
 }
-_MARK = "__adaflash_previous__"
+# name -> (the method install() put on GenerationMixin, the one it replaced); empty while not installed
+_installed: dict[str, tuple] = {}
 
 
 def is_adaflash_drafter(model) -> bool:
@@ -101,7 +106,9 @@ def _assisted_decoding(
     tokenizer=None,
     **model_kwargs,
 ):
-    if _ours(assistant_model, generation_config) and (_uses_our_loop(generation_config) or input_ids.shape[0] > 1):
+    if _ours(assistant_model, generation_config) and not _uses_our_loop(generation_config):
+        _check_transformers_loop(input_ids, stopping_criteria)
+    elif _ours(assistant_model, generation_config):
         if synced_gpus:
             raise ValueError("adaflash_hf's decoding loop does not support synced_gpus (FSDP/ZeRO-3 generation).")
         return adaflash_decoding(
@@ -128,6 +135,23 @@ def _assisted_decoding(
         tokenizer,
         **model_kwargs,
     )
+
+
+def _check_transformers_loop(input_ids, stopping_criteria) -> None:
+    """What transformers' assisted loop, driven by our candidate generator, does not do exactly."""
+    if input_ids.shape[0] > 1:
+        raise ValueError(
+            f"adaflash_decoding_loop='transformers' runs transformers' assisted-decoding loop, which is batch 1; this "
+            f"batch has {input_ids.shape[0]} rows. Drop adaflash_decoding_loop (adaflash_hf's loop is batched), or "
+            "generate one row per call."
+        )
+    others = [type(c).__name__ for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    if others:
+        raise ValueError(
+            f"adaflash_decoding_loop='transformers' checks stopping criteria once per accepted block, so it would run "
+            f"past {others} when they fire inside one. Drop adaflash_decoding_loop (adaflash_hf's loop stops exactly "
+            "there), or drop those criteria."
+        )
 
 
 def _get_candidate_generator(
@@ -165,7 +189,7 @@ _WRAPPERS = {
 
 
 def is_installed() -> bool:
-    return all(hasattr(getattr(GenerationMixin, name), _MARK) for name in _WRAPPERS)
+    return bool(_installed)
 
 
 def install() -> bool:
@@ -186,7 +210,10 @@ def install() -> bool:
         )
         return False
     for name, wrapper in _WRAPPERS.items():
-        setattr(GenerationMixin, name, _bind(wrapper, getattr(GenerationMixin, name)))
+        previous = getattr(GenerationMixin, name)
+        method = _bind(wrapper, previous)
+        setattr(GenerationMixin, name, method)
+        _installed[name] = (method, previous)
     return True
 
 
@@ -195,16 +222,28 @@ def _bind(wrapper, previous):
     def method(self, *args, **kwargs):
         return wrapper(previous, self, *args, **kwargs)
 
-    setattr(method, _MARK, previous)
     return method
 
 
-def uninstall() -> None:
-    """Restores the methods that were there before `install()`."""
-    for name in _WRAPPERS:
-        current = getattr(GenerationMixin, name)
-        if hasattr(current, _MARK):
-            setattr(GenerationMixin, name, getattr(current, _MARK))
+def uninstall() -> bool:
+    """Restores the methods that were there before `install()`; returns whether the routing is now off.
+
+    Only our own wrappers are removed. If another library wrapped one of these methods after `install()`, restoring
+    ours would silently drop theirs too, so nothing is restored and a warning names the methods.
+    """
+    stacked = [name for name, (method, _) in _installed.items() if getattr(GenerationMixin, name) is not method]
+    if stacked:
+        warnings.warn(
+            f"adaflash_hf.uninstall(): {stacked} were wrapped again after adaflash_hf.install() by other code; "
+            "removing adaflash_hf's wrappers would remove those too, so the routing stays installed. Uninstall the "
+            "other wrappers first.",
+            stacklevel=2,
+        )
+        return False
+    for name, (_, previous) in _installed.items():
+        setattr(GenerationMixin, name, previous)
+    _installed.clear()
+    return True
 
 
 def generate_loop(

@@ -14,11 +14,14 @@ and metric plumbing. OPD replaces three hooks:
 
 from __future__ import annotations
 
+import inspect
 import os
 import textwrap
+import warnings
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from datasets import Dataset
 from transformers import GenerationConfig
 from trl import DistillationTrainer
@@ -40,6 +43,41 @@ from .rollouts import (
 )
 
 LENGTH_HEAD_PREFIX = "thresh_head_two_model"
+
+TESTED_VERSIONS = "trl 1.16 and accelerate 1.15"
+# Private internals OPDTrainer relies on: what DistillationTrainer sets and calls, and the attribute accelerate's
+# prepare_model leaves on a model whose forward it wraps in autocast (`_restore_forward`).
+_TRL_INTERNALS = (
+    "self._tokenizer =",
+    "self.eos_token_ids =",
+    "self._metrics =",
+    "self._forward_redirection =",
+    "self._generate_and_score_completions(",
+)
+_ACCELERATE_INTERNALS = ("_original_forward",)
+
+
+def missing_internals(trainer_cls=DistillationTrainer, prepare_model=Accelerator.prepare_model) -> list[str]:
+    """The private TRL and accelerate internals OPDTrainer relies on that these versions lack (read from source)."""
+    trl_source, accelerate_source = inspect.getsource(trainer_cls), inspect.getsource(prepare_model)
+    return [f"trl {trainer_cls.__name__}: {name}" for name in _TRL_INTERNALS if name not in trl_source] + [
+        f"accelerate {prepare_model.__qualname__}: {name}"
+        for name in _ACCELERATE_INTERNALS
+        if name not in accelerate_source
+    ]
+
+
+def _warn_if_internals_changed() -> None:
+    missing = missing_internals()
+    if missing:
+        warnings.warn(
+            f"adaflash_hf.training: OPDTrainer relies on private internals these TRL/accelerate versions lack "
+            f"({missing}); training may fail or misbehave. It is tested with {TESTED_VERSIONS} (see pyproject.toml).",
+            stacklevel=3,
+        )
+
+
+_warn_if_internals_changed()
 
 
 def _base_drafter(model):
