@@ -435,7 +435,7 @@ def load_length_head(path_or_repo_id, **kwargs) -> AdaptiveLengthHead:
 
 
 # Layer kinds whose cache cannot be rolled back by cropping after a rejected draft.
-_NON_CROPPABLE_LAYERS = ("linear_attention", "mamba", "conv", "recurrent")
+_NON_CROPPABLE_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "hybrid")
 
 
 def check_drafter_target(config: AdaFlashConfig, target: PreTrainedModel) -> None:
