@@ -77,7 +77,7 @@ class AdaFlashDrafterOutput(BaseModelOutputWithPast):
 
 
 # Layer kinds whose cache cannot be rolled back by cropping after a rejected draft.
-_NON_CROPPABLE_LAYERS = ("linear_attention", "mamba", "conv", "recurrent")
+_NON_CROPPABLE_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "hybrid")
 
 
 class AdaFlashPreTrainedModel(PreTrainedModel):

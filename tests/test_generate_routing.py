@@ -308,3 +308,19 @@ def test_a_bidirectional_target_is_refused_and_a_causal_one_works(family):
     assert torch.equal(
         target.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant_model=tiny_drafter(target)), plain
     )
+
+
+def test_a_hybrid_layer_type_is_refused_by_its_cache_and_by_its_name():
+    target = tiny_target("inkling_text")  # "hybrid_sliding" layers: linear attention beside sliding-window attention
+    with pytest.raises(
+        ValueError, match=r"\['LinearAttentionAndSlidingWindowAttentionLayer'\] cache layers cannot be"
+    ):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))
+    with pytest.raises(ValueError, match=r"\['hybrid_sliding'\] layers whose cache cannot be cropped"):
+        tiny_drafter(target).check_compatible(target)
+
+
+def test_a_target_with_several_residual_streams_is_refused_clearly():
+    target = tiny_target("hy_v4")  # hyper-connections: hidden states [batch, tokens, streams, hidden]
+    with pytest.raises(ValueError, match=r"hidden states have shape \(1, 7, \d+, 64\), not \[batch, tokens, hidden\]"):
+        target.generate(PROMPT, max_new_tokens=5, do_sample=False, assistant_model=tiny_drafter(target))

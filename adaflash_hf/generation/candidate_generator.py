@@ -110,7 +110,14 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
 
     def context_features(self, hidden_states: tuple) -> torch.Tensor:
         """``[B, T, K * H]`` drafter context from the target's `hidden_states` tuple (``hidden_states[i + 1]``)."""
-        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        layers = [hidden_states[i + 1] for i in self.target_layer_ids]
+        if layers[0].dim() != 3:
+            # e.g. hyper-connection targets (hy_v4) keep several residual streams per token
+            raise ValueError(
+                f"The target's hidden states have shape {tuple(layers[0].shape)}, not [batch, tokens, hidden]: a "
+                "DFlash drafter reads one hidden vector per token and layer, so it cannot draft for this target."
+            )
+        return torch.cat(layers, dim=-1)
 
     def add_context(self, features: torch.Tensor, positions: torch.LongTensor, valid: torch.Tensor | None = None):
         """Queues the target features of newly committed positions for the next `draft()`.

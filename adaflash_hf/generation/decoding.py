@@ -94,6 +94,13 @@ def _check_call(target, input_ids, generation_config, logits_processor, streamer
             f"AdaFlash decoding needs a DynamicCache (it crops rejected drafts and masks holes), got "
             f"{type(cache).__name__}: drop cache_implementation= or pass cache_implementation='dynamic'."
         )
+    stateful = sorted({type(layer).__name__ for layer in cache.layers if not getattr(layer, "is_croppable", True)})
+    if stateful:
+        # the cache's own word, whatever the config's layer types say (check_compatible reads those)
+        raise ValueError(
+            f"The target's {stateful} cache layers cannot be cropped after a rejected draft (hybrid linear-attention/"
+            "SSM state), so speculative decoding cannot be exact on it. Generate without assistant_model."
+        )
     cached = cache.get_seq_length()
     if cached >= prompt_len:
         raise ValueError(
