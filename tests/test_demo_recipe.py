@@ -120,3 +120,17 @@ def test_recipe_yaml_sets_only_known_fields():
         ["--config", str(Path(__file__).parents[1] / "demo/recipes/smollm2-drafter.yaml"), "--max_steps", "7"]
     )
     assert config.max_steps == 7 and config.block_size == 16 and config.target_layer_ids == [1, 10, 19, 27]
+
+
+def test_answer_shards_restrict_training_and_name_missing_ones(tmp_path):
+    layout = recipe.Layout(recipe.RecipeConfig(work_dir=str(tmp_path)))
+    layout.answers.mkdir(parents=True)
+    for index in (0, 1, 5):
+        row = {"prompt_ids": [index], "completion_ids": [index]}
+        (layout.answers / f"shard-{index:04d}.jsonl").write_text(json.dumps(row) + "\n")
+    (layout.answers / "validation.jsonl").write_text(json.dumps({"prompt_ids": [9], "completion_ids": [9]}) + "\n")
+    assert [r["prompt_ids"] for r in recipe.load_answers(layout)] == [[0], [1], [5]]
+    assert [r["prompt_ids"] for r in recipe.load_answers(layout, shards=[0, 5])] == [[0], [5]]
+    assert [r["prompt_ids"] for r in recipe.load_answers(layout, "validation")] == [[9]]
+    with pytest.raises(FileNotFoundError, match=r"lacks \['shard-0002.jsonl'\].*`answers` stage"):
+        recipe.load_answers(layout, shards=[0, 2])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import tiny_drafter, tiny_target
 from scipy.stats import chisquare
+from transformers import GenerationConfig
 
 import adaflash_hf
 
@@ -115,3 +116,26 @@ def test_ids_dependent_processors_stay_lossless(models):
             samples += [tuple(row[len(PROMPT) :].tolist()) for row in out]
     assert sum(sum(s.accepted) for s in stats.steps) > 0
     assert p_value(samples, exact_joint(target, **penalty)) > 1e-3
+
+
+def test_a_bfloat16_draft_head_keeps_sampling_exact(models):
+    """Drafts sampled from the bfloat16 head's distribution and accepted against that same distribution: the output
+    is still the target's processed distribution (batch 50, the batched path)."""
+    target, drafter = models
+    # The sampling settings go as keyword arguments, as in `exact_joint`: a config object's None (eos_token_id)
+    # would read as unset and take the model's own.
+    config = GenerationConfig(adaflash_draft_head_dtype="bfloat16")
+    torch.manual_seed(2468)
+    samples = []
+    with adaflash_hf.record_stats() as stats:
+        for _ in range(30):
+            out = target.generate(
+                torch.tensor([PROMPT] * 50),
+                generation_config=config,
+                assistant_model=drafter,
+                max_new_tokens=NEW,
+                **SAMPLING,
+            )
+            samples += [tuple(row[len(PROMPT) :].tolist()) for row in out]
+    assert sum(sum(s.accepted) for s in stats.steps) > 0
+    assert p_value(samples, exact_joint(target)) > 1e-3

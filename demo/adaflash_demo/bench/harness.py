@@ -21,7 +21,15 @@ from transformers import GenerationConfig
 
 from adaflash_hf.training.rollouts import cut_after_eos
 
-METHODS = ("plain", "hf_assisted", "prompt_lookup", "native_dflash", "adaflash_fixed", "adaflash_adaptive")
+METHODS = (
+    "plain",
+    "hf_assisted",
+    "prompt_lookup",
+    "native_dflash",
+    "adaflash_fixed",
+    "adaflash_adaptive",
+    "adaflash_confidence",
+)
 BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
 
 
@@ -91,7 +99,7 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
         return {"prompt_lookup_num_tokens": 10}
     if method == "native_dflash":
         return {"assistant_model": drafter, "speculation_type": "dflash"}
-    policy = {"adaflash_fixed": "fixed", "adaflash_adaptive": "adaptive"}[method]
+    policy = {"adaflash_fixed": "fixed", "adaflash_adaptive": "adaptive", "adaflash_confidence": "confidence"}[method]
     return {"assistant_model": drafter, "adaflash_length_policy": policy}
 
 

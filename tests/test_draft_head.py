@@ -1,0 +1,83 @@
+"""The draft head's dtype: a bfloat16 copy of a float32 target's LM head projects the drafts when it is measured
+faster, and output stays exactly the target's (greedy identity here; sampling in test_generate_sampling.py)."""
+
+import pytest
+import torch
+from helpers import oracle_drafter, tiny_drafter, tiny_target
+from transformers import GenerationConfig
+
+import adaflash_hf
+from adaflash_hf.generation import draft_head
+from adaflash_hf.generation.draft_head import DraftHead
+
+PROMPTS = [[0, 5, 9, 33, 17, 4, 80], [0, 44, 8], [0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 101, 3, 9]]
+
+
+def _batch(prompts):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), 2)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "auto", "same", "float16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_output_is_identical_with_every_draft_head_dtype(dtype_name, batch):
+    target = tiny_target()
+    ids, mask = _batch(PROMPTS[:batch])
+    config = GenerationConfig(max_new_tokens=30, do_sample=False, pad_token_id=2, eos_token_id=None)
+    reference = target.generate(ids, attention_mask=mask, generation_config=config)
+    config.adaflash_draft_head_dtype = dtype_name
+    # the oracle reads each row's reference at the row's own positions: its tokens without the left padding
+    unpadded = [row[ids.shape[1] - len(prompt) :] for row, prompt in zip(reference.tolist(), PROMPTS)]
+    for drafter in (tiny_drafter(target), oracle_drafter(target, unpadded)):
+        with adaflash_hf.record_stats() as stats:
+            out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=drafter)
+        assert torch.equal(out, reference)
+    assert stats.mean_acceptance_length > 4  # the oracle's drafts survive the half-precision projection
+
+
+def test_requested_dtype_is_used_and_logits_are_float32():
+    head = tiny_target().get_output_embeddings()
+    projector = DraftHead(head, rows=7, dtype_name="bfloat16")
+    hidden = torch.randn(2, 7, head.weight.shape[1])
+    logits = projector(hidden)
+    assert projector.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    expected = torch.nn.functional.linear(hidden.bfloat16(), head.weight.bfloat16()).float()
+    torch.testing.assert_close(logits, expected)
+    assert DraftHead(head, rows=7, dtype_name="same").dtype == torch.float32
+
+
+def test_auto_measures_once_per_head_and_refreshes_the_copy_when_the_weight_changes(monkeypatch):
+    head = tiny_target().get_output_embeddings()
+    calls = []
+    monkeypatch.setattr(
+        draft_head,
+        "_time",
+        lambda weight, hidden: calls.append(weight.dtype) or {torch.float32: 1.0, torch.bfloat16: 0.1}[weight.dtype],
+    )
+    first = DraftHead(head, rows=7)
+    second = DraftHead(head, rows=7)
+    assert first.dtype == second.dtype == torch.bfloat16 and len(calls) == 2  # measured once, both dtypes
+    before = first(torch.ones(1, 1, head.weight.shape[1]))
+    with torch.no_grad():
+        head.weight.mul_(2.0)  # an in-place change (training) must not leave a stale copy in use
+    after = DraftHead(head, rows=7)(torch.ones(1, 1, head.weight.shape[1]))
+    torch.testing.assert_close(after, 2 * before, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_keeps_float32_where_bfloat16_is_not_faster(monkeypatch):
+    head = tiny_target(seed=3).get_output_embeddings()
+    monkeypatch.setattr(
+        draft_head, "_time", lambda weight, hidden: {torch.float32: 1.0, torch.bfloat16: 0.9}[weight.dtype]
+    )
+    assert DraftHead(head, rows=5).dtype == torch.float32  # within 20%: not worth a copy
+
+
+def test_bad_dtype_name_is_one_clear_error():
+    target = tiny_target()
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, adaflash_draft_head_dtype="fp8ish")
+    with pytest.raises(ValueError, match="adaflash_draft_head_dtype='fp8ish' is not 'auto', 'same' or a torch dtype"):
+        target.generate(torch.tensor([[0, 5, 9]]), generation_config=config, assistant_model=tiny_drafter(target))
