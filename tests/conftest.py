@@ -52,22 +52,6 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True)
-def _oracle_row_tracking(monkeypatch):
-    """Tells oracle drafters (tests/helpers.py) which batch rows remain when finished rows leave the batch."""
-    from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
-
-    original = AdaFlashCandidateGenerator.select_rows
-
-    def select_rows(self, index):
-        original(self, index)
-        hook = getattr(self.drafter, "on_select_rows", None)
-        if hook is not None:
-            hook(index, self.cache)
-
-    monkeypatch.setattr(AdaFlashCandidateGenerator, "select_rows", select_rows)
-
-
 @pytest.fixture(scope="session")
 def word_tokenizer():
     """A character-level tokenizer over the tiny models' 128 ids (ids 0-3 special, then printable characters)."""

@@ -37,14 +37,12 @@ class Drafts:
     logits ``[B, block_size - 1, V]``: processed drafter logits (float32).
     probs ``[B, block_size - 1, V]``: softmax of `logits` when sampling, else ``None``.
     num_drafts ``[B]``: drafts to verify (candidate length - 1, capped by the token budget).
-    candidate_lengths ``[B]``: what the length policy chose, anchor included.
     """
 
     tokens: torch.LongTensor
     logits: torch.Tensor
     probs: torch.Tensor | None
     num_drafts: torch.LongTensor
-    candidate_lengths: torch.LongTensor
 
 
 def _all_true(mask: torch.Tensor | None) -> bool:
@@ -136,8 +134,16 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         )
 
     def select_rows(self, index: torch.LongTensor) -> None:
-        """Keeps only the batch rows in `index` (finished rows stop costing drafter compute)."""
+        """Keeps only the batch rows in `index` (finished rows stop costing drafter compute).
+
+        A drafter that keeps per-row state of its own defines ``on_select_rows(index, cache)``; it is called here
+        with the same ``index`` and this call's drafter cache, so its rows follow the batch (the oracle drafters
+        of the test suite use it).
+        """
         self.cache.batch_select_indices(index.to(self.device))
+        hook = getattr(self.drafter, "on_select_rows", None)
+        if hook is not None:
+            hook(index, self.cache)
         if self.adapter_names is not None:
             self.adapter_names = [self.adapter_names[i] for i in index.tolist()]
         if self.cache_mask is not None:
@@ -203,7 +209,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             device=anchors.device,
         )
         num_drafts = torch.minimum(candidate_lengths - 1, max_drafts.clamp(min=0))
-        return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts, candidate_lengths)
+        return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts)
 
     def _adapter_kwargs(self, batch: int) -> dict:
         if self.adapter_names is None:
