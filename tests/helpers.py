@@ -93,7 +93,10 @@ def tiny_config(family: str, **overrides):
         config = config_cls(**{**_COMMON, **extra, **overrides})
     else:
         defaults = AutoConfig.for_model(family).to_dict()
-        config = AutoConfig.for_model(family, **{**{k: v for k, v in _TINY.items() if k in defaults}, **overrides})
+        tiny = {k: v for k, v in _TINY.items() if k in defaults}
+        if "kv_lora_rank" in defaults:  # multi-head latent attention has as many key/value heads as query heads
+            tiny["num_key_value_heads"] = tiny["num_attention_heads"]
+        config = AutoConfig.for_model(family, **{**tiny, **overrides})
     config._attn_implementation = "sdpa"
     return config
 

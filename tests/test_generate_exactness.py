@@ -196,7 +196,7 @@ def test_classifier_free_guidance_is_refused_clearly():
         ("mistral", dict(sliding_window=4096)),  # mistral's default window, far beyond the generation
         ("mistral", dict(sliding_window=41)),  # prompt + new tokens fill the window exactly: holes must not overflow
         ("qwen2_moe", dict()),  # sliding_window=0 with use_sliding_window=False: every layer is full attention
-        ("deepseek_v3", dict(num_key_value_heads=4)),  # MLA: values narrower than keys
+        ("deepseek_v3", dict()),  # MLA: values narrower than keys
     ],
 )
 def test_batched_greedy_with_forced_compaction_on_window_moe_and_mla_targets(family, overrides, monkeypatch):

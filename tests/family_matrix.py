@@ -1,0 +1,225 @@
+"""The family matrix: every decoder-only causal-LM family transformers builds tiny from its config, against AdaFlash.
+
+Each family is built with `tiny_target` (its default config, shrunk), given a drafter from
+`AdaFlashConfig.from_target_config`, and generates greedily at batch 1 and at batch 3 with left padding, with a
+random and an oracle drafter (rejections at varying drafts). The outcome is one of:
+
+* ``supported``: every output equals plain generate()'s;
+* ``refused: <message>``: generate(assistant_model=...) raised one clear error before generating;
+* ``unbuildable: <reason>``: plain generate() itself fails on the tiny config (not a case for AdaFlash);
+* ``wrong`` or ``crash: <error>``: a bug, which `tests/test_family_matrix.py` fails on.
+
+`family_matrix.json` records the outcomes; `python tests/family_matrix.py --write` sweeps every family again (one
+process each, with a timeout), rewrites it and the supported-families list in README.md (`--write FAMILY...`
+re-sweeps only those).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RECORD = Path(__file__).with_name("family_matrix.json")
+README = Path(__file__).parents[1] / "README.md"
+BEGIN, END = "<!-- family-matrix:begin -->", "<!-- family-matrix:end -->"
+PROMPTS = [[0, 5, 9, 33, 17, 4, 80], [0, 44], [0, 7, 7, 7, 101, 3, 9, 12, 5]]
+PAD = 2
+NEW_TOKENS = 17
+MAX_PARAMETERS = 20_000_000
+
+
+def families() -> list[str]:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = []
+    for family in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            if not AutoConfig.for_model(family).is_encoder_decoder:
+                names.append(family)
+        except Exception:  # configs that need arguments are not buildable from defaults
+            continue
+    return names
+
+
+def _parameters_on_meta(family: str) -> int:
+    """Parameters of the family's tiny model, counted without allocating it."""
+    import torch
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # no sdpa path; the count does not depend on it
+            config._attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+
+
+def check_family(family: str) -> str:
+    """Runs the matrix for one family and returns its outcome (see the module docstring)."""
+    import torch
+    from helpers import oracle_drafter, tiny_drafter, tiny_target
+
+    def left_pad(prompts):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        return ids, mask
+
+    try:
+        size = _parameters_on_meta(family)
+        if size > MAX_PARAMETERS:  # sub-configs the shrinking does not reach (vision towers, ...): not tiny
+            return f"unbuildable: {size / 1e6:.0f}M parameters once shrunk"
+        target = tiny_target(family)
+    except Exception as error:
+        return "unbuildable: " + _first_line(error)
+    inputs = [left_pad(PROMPTS[:1]), left_pad(PROMPTS)]
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    references = []
+    for ids, mask in inputs:
+        try:
+            references.append(target.generate(ids, attention_mask=mask, **kwargs))
+        except Exception as error:
+            if not references:
+                return "unbuildable: " + _first_line(error)
+            references.append(None)  # plain generate() fails at batch 3: only batch 1 is compared
+    try:
+        drafter = tiny_drafter(target)
+    except ValueError as error:  # a clear error: the config lacks what a drafter needs (attention heads, ...)
+        return "refused: " + _first_line(error)
+    except Exception as error:
+        return "crash: from_target_config: " + _first_line(error)
+    for (ids, mask), reference in zip(inputs, references):
+        if reference is None:
+            continue
+        width = ids.shape[1]
+        rows = [row[width - len(p) :].tolist() for row, p in zip(reference, PROMPTS)]
+        try:
+            oracles = [oracle_drafter(target, rows, corrupt=lambda row, anchor: {1 + (row + anchor) % 7})]
+        except AssertionError:  # output heads the oracle cannot steer (e.g. tied and rescaled): random drafts only
+            oracles = []
+        for candidate in [drafter, *oracles]:
+            try:
+                out = target.generate(ids, attention_mask=mask, assistant_model=candidate, **kwargs)
+            except (ValueError, NotImplementedError) as error:
+                return "refused: " + _first_line(error)
+            except Exception as error:
+                return "crash: " + _first_line(error)
+            if not torch.equal(out, reference):
+                return "wrong"
+    return "supported" if all(r is not None for r in references) else "supported (batch 1; plain fails at batch 3)"
+
+
+def recorded() -> dict[str, str]:
+    return json.loads(RECORD.read_text())["outcomes"]
+
+
+def recorded_seconds() -> dict[str, float]:
+    """Seconds each family took in the sweep (one process each, imports included)."""
+    return json.loads(RECORD.read_text())["seconds"]
+
+
+def _reason(message: str) -> str:
+    """A refusal's message, short: the model class named generically (families refused alike share a line), the
+    lower-case parentheticals dropped, the first sentence kept."""
+    message = re.sub(r"\b\w+(ForCausalLM|LMHeadModel|Decoder)\b", "the target", message)
+    message = re.sub(r" \([a-z][^()]*\)", "", message.removeprefix("ValueError: "))
+    return re.split(r"\.\s+(?=[A-Z])", message)[0].rstrip(".") + "."
+
+
+def readme_section(outcomes: dict[str, str]) -> str:
+    supported = [f for f, o in outcomes.items() if o.startswith("supported")]
+    refused: dict[str, list[str]] = {}
+    for family, outcome in outcomes.items():
+        if outcome.startswith("refused"):
+            refused.setdefault(_reason(outcome.removeprefix("refused: ")), []).append(family)
+    other = [f for f, o in outcomes.items() if not o.startswith(("supported", "refused"))]
+    lines = [
+        BEGIN,
+        f"Generated by `python tests/family_matrix.py --write`: of the {len(outcomes)} decoder-only causal-LM "
+        f"families of transformers, the {len(outcomes) - len(other)} that build tiny from their default configs, "
+        "with a drafter from `AdaFlashConfig.from_target_config`, greedy, at batch 1 and at batch 3 with left "
+        "padding, random and oracle drafters.",
+        "",
+        f"**Exact ({len(supported)}):** " + ", ".join(f"`{f}`" for f in supported) + ".",
+        "",
+        f"**Refused with a clear error ({sum(map(len, refused.values()))}):**",
+        "",
+    ]
+    lines += [f"- {', '.join(f'`{f}`' for f in families)}: {reason}" for reason, families in refused.items()]
+    lines += ["", f"**Not buildable tiny from their default config ({len(other)}):** "]
+    lines[-1] += ", ".join(f"`{f}`" for f in other) + "."
+    return "\n".join(lines + [END])
+
+
+def write(only: list[str] | None = None, timeout: float = 120.0) -> dict[str, str]:
+    """Sweeps every family (or re-sweeps those in `only`, keeping the others' record) and rewrites the record and
+    the README list."""
+    outcomes, seconds = ({}, {}) if not only else (recorded(), recorded_seconds())
+    for family in only or families():
+        start = time.monotonic()
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, family], capture_output=True, text=True, timeout=timeout, check=False
+            )
+            lines = done.stdout.strip().splitlines()
+            if lines:
+                outcomes[family] = lines[-1]
+            elif done.returncode < 0:  # killed by a signal while building: the default config is too big to build
+                outcomes[family] = f"unbuildable: killed by signal {-done.returncode} (out of memory)"
+            else:
+                outcomes[family] = "crash: " + done.stderr.strip()[-200:]
+        except subprocess.TimeoutExpired:
+            outcomes[family] = f"unbuildable: no result within {timeout:.0f} s"
+        seconds[family] = round(time.monotonic() - start, 1)
+        print(f"{family} ({seconds[family]} s): {outcomes[family]}", flush=True)
+    RECORD.write_text(json.dumps({"outcomes": outcomes, "seconds": seconds}, indent=1) + "\n")
+    update_readme(outcomes)
+    return outcomes
+
+
+def update_readme(outcomes: dict[str, str]) -> None:
+    text = README.read_text()
+    section = readme_section(outcomes)
+    README.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    # what tests/conftest.py's autouse fixture does under pytest: oracle drafters follow rows leaving the batch
+    from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
+
+    select_rows = AdaFlashCandidateGenerator.select_rows
+
+    def tracking_select_rows(self, index):
+        select_rows(self, index)
+        hook = getattr(self.drafter, "on_select_rows", None)
+        if hook is not None:
+            hook(index, self.cache)
+
+    AdaFlashCandidateGenerator.select_rows = tracking_select_rows
+    if sys.argv[1:2] == ["--write"]:
+        write(sys.argv[2:])
+    elif sys.argv[1:] == ["--readme"]:
+        update_readme(recorded())
+    else:
+        print(check_family(sys.argv[1]))

@@ -1,0 +1,42 @@
+"""The family matrix (`tests/family_matrix.py`) in CI: every run checks a rotating slice of the families (a sixth,
+chosen by the date, or by ``ADAFLASH_MATRIX_SLICE``; families whose tiny model is slow to build stay out of it);
+``pytest -m slow tests/test_family_matrix.py`` checks them all.
+Each family must give what `family_matrix.json` records, and the README's supported-families list is that record."""
+
+import datetime
+import os
+
+import pytest
+from family_matrix import BEGIN, END, README, check_family, families, readme_section, recorded, recorded_seconds
+
+SLICES = 6
+SLICE = int(os.environ.get("ADAFLASH_MATRIX_SLICE", datetime.date.today().toordinal() % SLICES))
+MATRIX = {family: outcome for family, outcome in recorded().items() if not outcome.startswith("unbuildable")}
+QUICK = (
+    40.0  # seconds a family took in the sweep, in its own process (imports included; the sweep ran on a busy machine)
+)
+
+
+def in_this_run(index: int, family: str) -> bool:
+    return index % SLICES == SLICE and recorded_seconds()[family] < QUICK
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(family, marks=() if in_this_run(index, family) else pytest.mark.slow)
+        for index, family in enumerate(sorted(MATRIX))
+    ],
+)
+def test_each_family_is_exact_or_refused_clearly(family):
+    outcome = check_family(family)
+    assert outcome.startswith(("supported", "refused")), f"{family}: {outcome}"
+    assert outcome == MATRIX[family], "the outcome changed: run `python tests/family_matrix.py --write`"
+
+
+def test_the_record_covers_every_family_and_the_readme_lists_it():
+    assert sorted(recorded()) == families(), (
+        "transformers' families changed: run `python tests/family_matrix.py --write`"
+    )
+    text = README.read_text()
+    assert text[text.index(BEGIN) : text.index(END) + len(END)] == readme_section(recorded())
