@@ -205,18 +205,6 @@ if __name__ == "__main__":
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
-    # what tests/conftest.py's autouse fixture does under pytest: oracle drafters follow rows leaving the batch
-    from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
-
-    select_rows = AdaFlashCandidateGenerator.select_rows
-
-    def tracking_select_rows(self, index):
-        select_rows(self, index)
-        hook = getattr(self.drafter, "on_select_rows", None)
-        if hook is not None:
-            hook(index, self.cache)
-
-    AdaFlashCandidateGenerator.select_rows = tracking_select_rows
     if sys.argv[1:2] == ["--write"]:
         write(sys.argv[2:])
     elif sys.argv[1:] == ["--readme"]:
