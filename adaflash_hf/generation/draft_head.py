@@ -1,15 +1,16 @@
 """The output head that turns the drafter's hidden states into draft logits, in the fastest dtype measured here.
 
-The drafter borrows the target's LM head (docs/algorithm.md §1.6). With a float32 target on a CPU, that head is the
+The drafter borrows the target's LM head (docs/algorithm.md §1.5). With a float32 target on a CPU, that head is the
 drafter's largest cost: over a block's 15 draft positions it reads the whole vocabulary matrix (113 MB for
-SmolLM2's 49152 x 576) and cost 0.5 of a plain target step in BENCHMARKS.md §2, ten times the drafter's own layers.
+SmolLM2's 49152 x 576), about half a plain target step in the step-cost model of BENCHMARKS.md, several times the
+drafter's own layers.
 A bfloat16 copy of the same matrix halves the bytes and, on CPUs with AMX, runs several times faster; on CPUs without
 it, bfloat16 matmuls over more than one row can be slower than float32. So the choice is measured, once per process,
 head and row count, and the faster dtype wins.
 
 Lossless either way: the drafts only *propose* tokens. Greedy verification keeps a draft only if it equals the
 float32 target's own choice; sampling draws the drafts from the distribution these logits define and accepts them
-against that same distribution (docs/algorithm.md §3.5), so the output distribution is the target's.
+against that same distribution (docs/algorithm.md §3.4), so the output distribution is the target's.
 
 ``GenerationConfig(adaflash_draft_head_dtype=...)`` overrides the choice: ``"auto"`` (the default, measured),
 ``"same"`` (the target head's own dtype, no copy) or a dtype name such as ``"bfloat16"``.
