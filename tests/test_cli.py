@@ -116,3 +116,16 @@ def test_plot_without_matplotlib_names_the_extra_before_serving(monkeypatch, tmp
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'adaflash-hf\[plot\]'"):
         main(["online", "--plot", str(tmp_path / "online.png"), "--swap-dir", str(tmp_path / "swap")])
     assert not (tmp_path / "swap").exists()  # nothing was served
+
+
+def test_demo_on_the_real_target_is_identical_to_plain_generate(tmp_path, capsys):
+    """The README's main job, shortened: SmolLM2-135M-Instruct (converted from its GGUF file on first use, into the
+    usual cache) with the shipped drafter, one held-out prompt per domain."""
+    out = tmp_path / "demo.jsonl"
+    assert main(["demo", "--prompts-per-domain", "1", "--max-new-tokens", "24", "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "SmolLM2-135M-Instruct" in printed.err and "smollm2-drafter" in printed.err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["domain"] for r in records] == ["code", "docs", "shell", "math", "changelog"]
+    assert all(r["identical"] == r["n"] == 1 for r in records)
+    assert "outputs identical to plain generate(): 5/5" in printed.out

@@ -104,11 +104,12 @@ def test_library_wheel_holds_every_subpackage_and_no_data(wheels):
     assert not [n for n in names if n.startswith(("adaflash_demo", "tests", "trainers", "bench", "examples"))]
 
 
-def test_demo_wheel_carries_the_demo_world(wheels):
+@pytest.mark.parametrize("shipped", ["world/data", "data/smollm2-drafter"])
+def test_demo_wheel_carries_the_demo_artifacts(wheels, shipped):
     names = set(zipfile.ZipFile(wheels[1]).namelist())
     packages = {".".join(Path(n).parent.parts) for n in names if n.endswith("/__init__.py")}
     assert packages == _source_packages(REPO / "demo", "adaflash_demo")
-    shipped = REPO / "demo" / "adaflash_demo" / "world" / "data"
+    shipped = REPO / "demo" / "adaflash_demo" / shipped
     expected = {path.relative_to(REPO / "demo").as_posix() for path in shipped.rglob("*") if path.is_file()}
     assert expected and expected <= names
 

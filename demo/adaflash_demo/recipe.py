@@ -61,7 +61,7 @@ class RecipeConfig:
     )
     shard_size: int = field(default=128, metadata={"help": "Prompts per answer shard (the unit of resumption)."})
     answer_shards: list[int] | None = field(
-        default=None,
+        default_factory=lambda: [0, 1, 2, 3, 4, 5, 6, 16, 17, 18, 19, 20, 21],
         metadata={
             "help": "Which shards of the training prompts are answered and trained on (None: all of them). The "
             "shipped drafter lists the shards its build had answered when it was trained."
@@ -93,12 +93,12 @@ class RecipeConfig:
     warmup_steps: int = field(default=20, metadata={"help": "Linear warmup steps."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per step."})
     num_anchors: int = field(default=16, metadata={"help": "Blocks drawn per sequence."})
-    max_steps: int = field(default=600, metadata={"help": "Optimizer steps."})
-    save_steps: int = field(default=50, metadata={"help": "Checkpoint interval (resumption)."})
+    max_steps: int = field(default=220, metadata={"help": "Optimizer steps."})
+    save_steps: int = field(default=40, metadata={"help": "Checkpoint interval (resumption)."})
     max_length: int = field(default=768, metadata={"help": "Prompt + answer tokens kept per sequence."})
 
     # Evaluation
-    eval_new_tokens: int = field(default=128, metadata={"help": "New tokens per held-out prompt."})
+    eval_new_tokens: int = field(default=64, metadata={"help": "New tokens per held-out prompt."})
     eval_prompts_per_domain: int = field(default=16, metadata={"help": "Held-out prompts measured per domain."})
 
     def __post_init__(self):
