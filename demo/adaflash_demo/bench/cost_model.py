@@ -43,12 +43,12 @@ def target_ms(target, batch: int, k: int, context: int, repeats: int) -> float:
     vocab = target.config.vocab_size
     prefix = torch.randint(100, vocab - 100, (batch, context))
     cache = DynamicCache(config=target.config)
-    target(input_ids=prefix, past_key_values=cache, use_cache=True)
+    target(input_ids=prefix, cache=cache, use_cache=True)
     new = torch.randint(100, vocab - 100, (batch, k))
     positions = torch.arange(context, context + k).expand(batch, k)
 
     def step():
-        target(input_ids=new, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
+        target(input_ids=new, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
         cache.crop(-k)  # transformers 5.24: crop takes the (negative) number of tokens to drop
 
     return _median_ms(step, repeats)
