@@ -16,7 +16,7 @@ import warnings
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-LENGTH_POLICIES = ("fixed", "adaptive", "confidence")
+LENGTH_POLICIES = ("fixed", "adaptive", "confidence", "planned")
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
 # Qwen3 config keys that map 1:1 onto AdaFlashConfig fields.
@@ -127,8 +127,10 @@ class AdaFlashConfig(PreTrainedConfig):
         length_head_direct_len (`bool`, defaults to `True`): the head predicts (accepted + 1) / block_size directly.
 
     Candidate length policy (how many drafts the target verifies per step):
-        length_policy (`str`, *optional*): `"fixed"`, `"adaptive"` or `"confidence"`; defaults to `"adaptive"`
-            when the drafter has a length head and `"fixed"` otherwise.
+        length_policy (`str`, *optional*): `"fixed"`, `"adaptive"`, `"confidence"` or `"planned"` (the cost-aware
+            planner of `adaflash_hf/generation/planner.py`: each step's width from measured step costs and observed
+            acceptance, a plain step when drafting cannot pay; in transformers' own assisted loop it drafts the
+            whole block); defaults to `"adaptive"` when the drafter has a length head and `"fixed"` otherwise.
         length_rate (`float`, defaults to 1.3): `candidate_len = clamp(round(pred * block_size * rate), min, bs)`.
         min_candidate_length (`int`, defaults to 1): lower clamp of the candidate length (the anchor counts).
         confidence_threshold (`float`, defaults to 0.3): `"confidence"` stops drafting at the first position where

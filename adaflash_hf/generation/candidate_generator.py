@@ -127,11 +127,25 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
 
         features ``[B, n, K * H]``, positions ``[B, n]``, valid ``[B, n]`` bool (``None``: all rows fed ``n``).
         """
-        self._pending = (
-            features.to(self.device),
-            positions.to(self.device),
-            None if _all_true(valid) else valid.to(self.device),
-        )
+        features, positions = features.to(self.device), positions.to(self.device)
+        valid = None if valid is None else valid.to(self.device)
+        if self._pending is not None:
+            # a step without drafts (the planner's plain step) queued context that no draft() has fed yet
+            old_features, old_positions, old_valid = self._pending
+            if old_valid is not None or valid is not None:
+                ones = torch.ones(features.shape[0], 1, dtype=torch.bool, device=self.device)
+                old_valid = ones.expand(-1, old_features.shape[1]) if old_valid is None else old_valid
+                valid = torch.cat([old_valid, ones.expand(-1, features.shape[1]) if valid is None else valid], 1)
+            features = torch.cat([old_features, features], dim=1)
+            positions = torch.cat([old_positions, positions], dim=1)
+        self._pending = (features, positions, None if _all_true(valid) else valid)
+
+    def skip(self, anchors: torch.LongTensor) -> Drafts:
+        """A step without drafts (``length_policy="planned"`` chose a plain step): the drafter does not run, and the
+        context queued for it waits, with the context of this step, for the next `draft()`."""
+        batch = anchors.shape[0]
+        none = anchors.new_zeros((batch, 0))
+        return Drafts(tokens=none, logits=None, probs=None, num_drafts=anchors.new_zeros(batch))
 
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keeps only the batch rows in `index` (finished rows stop costing drafter compute).

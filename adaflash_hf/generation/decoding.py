@@ -31,6 +31,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import greedy_acceptance, speculative_sampling
 from .candidate_generator import AdaFlashCandidateGenerator
+from .planner import VerificationPlanner, cost_table
 from .processing import check_processors, process_positions
 from .stats import CallRecorder
 
@@ -201,6 +202,11 @@ class SpeculativeDecoding:
         self.keep_rows = batch > 1 and (self.returns_cache or self.eos is None)
         self.parked = {}  # row -> its cache columns and mask, once it left the batch (returned caches only)
         self.recorder = CallRecorder(batch, input_ids.device)
+        self.planner = None
+        if self.generator.policy.length_policy == "planned":
+            dtype = next(target.parameters()).dtype
+            table = cost_table(target, drafter, input_ids.device, dtype)
+            self.planner = VerificationPlanner(table, self.generator.block_size, batch, input_ids.device)
 
     # ------------------------------------------------------------------ loop
 
@@ -253,13 +259,23 @@ class SpeculativeDecoding:
 
     def step(self):
         rows, generator = self.active, self.generator
+        if self.planner is not None:
+            self.planner.begin()
         start = self.recorder.clock()
         budget = self._limit() - (self.lengths[rows] - self.prompt_len)
         max_drafts = budget - 1
         if self.window is not None:
             max_drafts = torch.clamp(max_drafts, max=self._room() - 1)
         anchors = self.sequences[rows, self.lengths[rows] - 1]
-        drafts = generator.draft(anchors, self.next_positions, self.sequences, self.lengths[rows], max_drafts, rows)
+        if self.planner is not None:
+            max_drafts = torch.minimum(max_drafts, self.planner.plan(rows.tolist(), max_drafts))
+        if self.planner is not None and not bool(max_drafts.gt(0).any()):
+            # a plain step: the drafter does not run, and its context waits for the next draft
+            drafts = generator.skip(anchors)
+        else:
+            drafts = generator.draft(
+                anchors, self.next_positions, self.sequences, self.lengths[rows], max_drafts, rows
+            )
         drafted = self.recorder.clock()
 
         width = int(drafts.num_drafts.max()) + 1
@@ -285,8 +301,9 @@ class SpeculativeDecoding:
             self.processors, self.sequences, self.lengths[rows], raw.clone(), tokens=draft_tokens, rows=rows
         )
         if generator.do_sample:
+            draft_probs = drafts.probs[:, : width - 1] if drafts.probs is not None else processed[:, :0]
             accepted, following = speculative_sampling(
-                draft_tokens, drafts.probs[:, : width - 1], torch.softmax(processed, -1), drafts.num_drafts
+                draft_tokens, draft_probs, torch.softmax(processed, -1), drafts.num_drafts
             )
         else:
             accepted, following = greedy_acceptance(draft_tokens, processed, drafts.num_drafts)
@@ -297,15 +314,21 @@ class SpeculativeDecoding:
             1, accepted[:, None], following[:, None]
         )
         features = generator.context_features(outputs.hidden_states)
+        row_list, offered, accepted_list = rows.tolist(), drafts.num_drafts.tolist(), accepted.tolist()
         emitted = self.commit(committed, accepted + 1, processed, raw, width, features)
+        plan = {}
+        if self.planner is not None:
+            step_s = self.planner.observe(row_list, width, accepted_list, offered)
+            plan = {"step_time_s": step_s, **(self.planner.last_prediction or {})}
         self.recorder.add(
-            rows=rows.tolist(),
-            candidate_lengths=(drafts.num_drafts + 1).tolist(),
-            accepted=accepted.tolist(),
+            rows=row_list,
+            candidate_lengths=[n + 1 for n in offered],
+            accepted=accepted_list,
             emitted=emitted.tolist(),
             verify_width=width,
             draft_time_s=drafted - start,
             target_time_s=verified - drafted,
+            **plan,
         )
 
     def _limit(self) -> int:

@@ -9,6 +9,8 @@ Policies:
 * ``fixed``: the whole block (DFlash).
 * ``adaptive``: AdaFlash's length head, ``clamp(round(pred * block_size * rate), min_len, block_size)``
   (docs/algorithm.md §6.5), with torch's half-to-even rounding like the reference.
+* ``planned``: the cost-aware planner (`planner.py`) chooses the width of each step, zero drafts included, from the
+  measured step costs and the rows' observed acceptance; the drafter drafts the whole block when it runs.
 * ``confidence``: training-free; stop at the first draft ``j`` where ``1 - prod_{i<=j} p_i > threshold``, ``p_i`` being
   the drafter's top probability at draft ``i``, and verify the drafts before it (docs/algorithm.md §6.6); usable
   without a head.
@@ -69,7 +71,7 @@ class LengthPolicy:
         length_prediction: ``[B]`` head output in (0, 1) (adaptive).
         draft_confidence: ``[B, block_size - 1]`` top probability of each draft (confidence).
         """
-        if self.length_policy == "fixed":
+        if self.length_policy in ("fixed", "planned"):  # the planner caps the drafts in the loop
             return torch.full((batch_size,), block_size, dtype=torch.long, device=device)
         if self.length_policy == "adaptive":
             lengths = torch.round(length_prediction.float() * block_size * self.length_rate).long()

@@ -25,6 +25,8 @@ class StepRecord:
     accepted: drafts accepted per row. emitted: tokens committed per row (accepted + 1, less if a stop hit).
     verify_width: tokens per row in the padded verification forward (max candidate length).
     draft_time_s / target_time_s: wall time of the drafter and of the target forward (device-synchronised).
+    step_time_s / predicted_step_s / predicted_tokens (``length_policy="planned"`` only, else ``None``): the whole
+        step's measured wall time, and what the planner predicted it would cost and commit when it chose the width.
     """
 
     rows: list[int]
@@ -34,6 +36,9 @@ class StepRecord:
     verify_width: int
     draft_time_s: float
     target_time_s: float
+    step_time_s: float | None = None
+    predicted_step_s: float | None = None
+    predicted_tokens: float | None = None
 
 
 @dataclass

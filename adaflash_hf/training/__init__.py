@@ -2,6 +2,7 @@
 
 from .config import OPDConfig
 from .evaluation import AcceptanceStats, measure_acceptance
+from .features import FeatureCache
 from .trainer import OPDTrainer
 
-__all__ = ["AcceptanceStats", "OPDConfig", "OPDTrainer", "measure_acceptance"]
+__all__ = ["AcceptanceStats", "FeatureCache", "OPDConfig", "OPDTrainer", "measure_acceptance"]

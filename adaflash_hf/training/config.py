@@ -48,6 +48,14 @@ class OPDConfig(DistillationConfig):
             Block size to train; `None` uses the drafter's, and a set value must equal it.
         loss_chunk_size (`int`, *optional*, defaults to `1024`):
             Rows projected to the vocabulary at once in the loss; bounds the memory of large vocabularies.
+        feature_cache_dir (`str` or `None`, *optional*):
+            Store the target's features of every sequence here the first time it is seen and read them back after
+            (`adaflash_hf.training.FeatureCache`): later epochs, evaluations and resumed runs skip the target
+            forward. Pays when responses are fixed (offline pairs, or `rollout_refresh_steps=0`) and the run sees
+            each sequence more than once. About `(len(target_layer_ids) + 1) * hidden_size` values per token.
+        feature_cache_dtype (`str`, *optional*, defaults to `"bfloat16"`):
+            Storage dtype of the feature cache: `"bfloat16"` is what a drafter trained with `bf16=True` receives
+            anyway; `"float32"` keeps a float32 run exact.
 
         > Parameters that control the adaptive length head (docs/algorithm.md §6)
 
@@ -172,6 +180,20 @@ class OPDConfig(DistillationConfig):
             "help": "Rows projected to the vocabulary at once in the loss; bounds memory for large vocabularies."
         },
     )
+    feature_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Store the target's features per sequence here and reuse them (later epochs, evaluations, "
+            "resumed runs skip the target forward); pays with fixed responses seen more than once."
+        },
+    )
+    feature_cache_dtype: str = field(
+        default="bfloat16",
+        metadata={
+            "help": "Storage dtype of the feature cache: bfloat16 (what bf16 autocast feeds the drafter) or float32.",
+            "choices": ["bfloat16", "float32", "float16"],
+        },
+    )
 
     # Adaptive length head (docs/algorithm.md §6)
     train_length_head: bool = field(
@@ -232,6 +254,8 @@ class OPDConfig(DistillationConfig):
             problems.append(f"alpha={self.alpha} must lie in [0, 1]")
         if self.kl_temperature <= 0:
             problems.append(f"kl_temperature={self.kl_temperature} must be > 0")
+        if self.feature_cache_dtype not in ("bfloat16", "float32", "float16"):
+            problems.append(f"feature_cache_dtype={self.feature_cache_dtype!r} must be bfloat16, float32 or float16")
         if self.num_anchors < 1:
             problems.append(f"num_anchors={self.num_anchors} must be >= 1")
         if self.temperature < 0:

@@ -29,7 +29,7 @@ from trl import DistillationTrainer
 from ..hub import drafter_card_fields, render_model_card
 from .blocks import block_loss_weights, sample_anchors
 from .config import OPDConfig
-from .features import draft_blocks, slot_targets, target_features
+from .features import FeatureCache, draft_blocks, slot_targets, target_features
 from .losses import accepted_drafts, drafting_loss, length_head_labels, length_head_loss, row_statistics
 from .rollouts import (
     RolloutStore,
@@ -219,6 +219,14 @@ class OPDTrainer(DistillationTrainer):
         )
         self._rollouts = None
         self._rollout_round = None
+        self._feature_cache = None
+        if args.feature_cache_dir is not None:
+            self._feature_cache = FeatureCache(
+                args.feature_cache_dir,
+                self.accelerator.unwrap_model(self.teacher_model),
+                self.drafter.config.target_layer_ids,
+                dtype=getattr(torch, args.feature_cache_dtype),
+            )
 
     # ------------------------------------------------------------------ setup
 
@@ -366,7 +374,10 @@ class OPDTrainer(DistillationTrainer):
         args, drafter = self.args, _base_drafter(student)
         config, target = drafter.config, self.accelerator.unwrap_model(self.teacher_model)
         input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
-        features = target_features(target, input_ids, inputs["attention_mask"], config.target_layer_ids)
+        if self._feature_cache is not None:
+            features = self._feature_cache.features(input_ids, inputs["attention_mask"])
+        else:
+            features = target_features(target, input_ids, inputs["attention_mask"], config.target_layer_ids)
         layout = sample_anchors(loss_mask, config.block_size, args.num_anchors)
         output = draft_blocks(student, target, input_ids, features, layout)
 

@@ -5,10 +5,12 @@ interrupted build resumes where it stopped):
 
 1. ``prompts``: instruction prompts in five domains (:mod:`adaflash_demo.instructions`), split by document.
 2. ``answers``: the target's own greedy answers to the training prompts, in shards of ``shard_size`` prompts.
-3. ``train``: `OPDTrainer` on those (prompt, answer) token pairs; Trainer checkpoints every ``save_steps``, and a
+3. ``features``: the target's features of every training and validation sequence, stored once
+   (`adaflash_hf.training.FeatureCache`), so that no training epoch or evaluation runs the target again.
+4. ``train``: `OPDTrainer` on those (prompt, answer) token pairs; Trainer checkpoints every ``save_steps``, and a
    rerun resumes from the last one.
-4. ``evaluate``: held-out acceptance per domain through ``target.generate(..., assistant_model=drafter)``.
-5. ``ship``: the drafter in the official DFlash format (bf16 safetensors + config) with its length head and a
+5. ``evaluate``: held-out acceptance per domain through ``target.generate(..., assistant_model=drafter)``.
+6. ``ship``: the drafter in the official DFlash format (bf16 safetensors + config) with its length head and a
    model card, plus the held-out prompts, into ``ship_dir``.
 
 Run it with ``adaflash-demo-recipe --config demo/recipes/smollm2-drafter.yaml`` (any field can be overridden on
@@ -30,7 +32,7 @@ from adaflash_hf.utils import atomic_directory, read_jsonl, write_jsonl
 from . import instructions
 from .smollm2 import load_target
 
-STAGES = ("prompts", "answers", "train", "evaluate", "ship")
+STAGES = ("prompts", "answers", "features", "train", "evaluate", "ship")
 
 
 @dataclass
@@ -75,6 +77,15 @@ class RecipeConfig:
         },
     )
 
+    # Target features
+    feature_worker: int = field(
+        default=0,
+        metadata={"help": "This process's share of the features stage: every feature_workers-th sequence from this."},
+    )
+    feature_workers: int = field(
+        default=1, metadata={"help": "Processes sharing the features stage (one thread each on a busy machine)."}
+    )
+
     # Drafter geometry
     num_hidden_layers: int = field(default=2, metadata={"help": "Drafter layers."})
     target_layer_ids: list[int] = field(
@@ -115,6 +126,7 @@ class Layout:
         self.root = root
         self.prompts = root / "prompts"
         self.answers = root / "answers"
+        self.features = root / "features"
         self.trainer = root / "trainer"
         self.drafter = root / "drafter"
         self.evaluation = root / "evaluation.json"
@@ -216,6 +228,20 @@ def load_answers(layout: Layout, name: str = "shard-*", shards: list[int] | None
 # ------------------------------------------------------------------------------------------------ train
 
 
+def stage_features(config: RecipeConfig, layout: Layout) -> None:
+    """The float32 target's features of every sequence the train stage reads (cut to ``max_length`` as the trainer
+    cuts them), stored in bfloat16: what the drafter sees under bf16 autocast. About 5 ms of target forward per
+    sequence token on two cores, paid once instead of once per epoch and evaluation."""
+    from adaflash_hf.training import FeatureCache
+
+    target, _ = load_target()
+    rows = load_answers(layout, shards=config.answer_shards) + load_answers(layout, "validation")
+    sequences = [(row["prompt_ids"] + row["completion_ids"])[: config.max_length] for row in rows]
+    cache = FeatureCache(layout.features, target, config.target_layer_ids)
+    computed = cache.fill(sequences, batch_size=8, worker=config.feature_worker, num_workers=config.feature_workers)
+    print(f"features: {computed} sequences computed, {len(sequences)} stored", flush=True)
+
+
 def validation_prompts(layout: Layout, config: RecipeConfig) -> list[dict]:
     """The second half of each trained domain's held-out prompts: they decide when training stops. The first half
     (``eval_prompts_per_domain``) is kept for the final measurement, so the number reported is not the one that
@@ -269,6 +295,7 @@ def stage_train(config: RecipeConfig, layout: Layout) -> None:
         block_size=config.block_size,
         num_anchors=config.num_anchors,
         max_length=config.max_length,
+        feature_cache_dir=str(layout.features),
         per_device_train_batch_size=config.per_device_train_batch_size,
         per_device_eval_batch_size=config.per_device_train_batch_size,
         gradient_accumulation_steps=1,
@@ -418,6 +445,7 @@ def _answer_counts(layout: Layout, config: RecipeConfig) -> dict:
 STAGE_FUNCTIONS = {
     "prompts": stage_prompts,
     "answers": stage_answers,
+    "features": stage_features,
     "train": stage_train,
     "evaluate": stage_evaluate,
     "ship": stage_ship,

@@ -1,0 +1,181 @@
+"""The verification planner behind ``length_policy="planned"``: every step, how many tokens the batch verifies, zero
+drafts included, to commit the most tokens per second.
+
+Speculation pays only when the tokens a step is expected to commit outweigh what the step costs over a plain
+decoding step. Both sides are measured, never assumed:
+
+* **cost**: the wall time of whole loop steps, per number of active rows ``R`` and verify width ``w`` (the anchor
+  plus ``w - 1`` drafts): ``S(R, 1)`` is a plain step (no drafter forward at all), ``S(R, w)`` a drafted one. Each is
+  an exponential moving average of the loop's own steps; an unmeasured width is interpolated linearly between the
+  measured widths of the same ``R`` (and extrapolated along the last two). The table lives in the process, per
+  (target, drafter, device, dtype), so a later ``generate()`` call starts from what earlier ones measured.
+* **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
+  probability ``p`` (a geometric model), so ``k`` offered drafts commit ``1 + p + ... + p^k`` tokens in expectation.
+  ``p`` is estimated per row from its accepted and offered drafts (accepted drafts are successes, a rejection is one
+  failure), shrunk towards the batch's pooled estimate, which starts from the process's last value for this pair.
+
+The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / S(R, w)``; ``w = 1`` is a plain
+step. Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer
+drafts would save nothing. While plain steps win, no acceptance is observed; a probe (a step at the full block) is
+forced after ``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the
+probe did not change the choice, so probing costs a few percent at most when speculation cannot pay.
+
+The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+EMA = 0.3  # weight of a new timing in the moving averages
+PRIOR_ACCEPTANCE = 0.5  # per-draft acceptance assumed before anything was observed
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the pooled estimate when a row's own are few
+FIRST_PROBE_INTERVAL = 4
+MAX_PROBE_INTERVAL = 256
+
+
+@dataclass
+class CostTable:
+    """Measured seconds per loop step, by active rows and verify width; shared by the calls of one pair."""
+
+    step_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    acceptance: float = PRIOR_ACCEPTANCE  # pooled per-draft acceptance of the last call
+    probe_interval: int = FIRST_PROBE_INTERVAL
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        key = (rows, width)
+        old = self.step_s.get(key)
+        self.step_s[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def cost(self, rows: int, width: int) -> float | None:
+        """Seconds of a step of ``rows`` rows at ``width``; ``None`` when no step of that many rows at a drafted
+        (``width > 1``) or plain (``width == 1``) width was measured."""
+        if (rows, width) in self.step_s:
+            return self.step_s[(rows, width)]
+        measured = sorted((w, s) for (r, w), s in self.step_s.items() if r == rows and (w > 1) == (width > 1))
+        if not measured:
+            return None
+        if len(measured) == 1:
+            return measured[0][1]
+        below = [(w, s) for w, s in measured if w < width]
+        above = [(w, s) for w, s in measured if w > width]
+        if below and above:
+            (w0, s0), (w1, s1) = below[-1], above[0]
+        elif below:
+            (w0, s0), (w1, s1) = below[-2] if len(below) > 1 else below[-1], below[-1]
+        else:
+            (w0, s0), (w1, s1) = above[0], above[1]
+        if w1 == w0:
+            return s1
+        return max(s0 + (s1 - s0) * (width - w0) / (w1 - w0), min(s0, s1))
+
+
+# (target, drafter) -> {(device type, dtype): CostTable}; weak, so tables leave with their models.
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cost_table(target, drafter, device: torch.device, dtype: torch.dtype) -> CostTable:
+    """The process's table for this pair on this device and dtype."""
+    per_target = _TABLES.setdefault(drafter, weakref.WeakKeyDictionary())
+    per_device = per_target.setdefault(target, {})
+    return per_device.setdefault((device.type, str(dtype)), CostTable())
+
+
+class VerificationPlanner:
+    """Chooses each step's verify width for one generate() call (see the module docstring).
+
+    Args:
+        table (`CostTable`): the pair's measured costs (`cost_table`).
+        block_size (`int`): the drafter's block; widths lie in ``[1, block_size]``.
+        batch_size (`int`): rows of the call.
+        device (`torch.device`): timings synchronise CUDA devices before they read the clock.
+    """
+
+    def __init__(self, table: CostTable, block_size: int, batch_size: int, device: torch.device):
+        self.table = table
+        self.block_size = block_size
+        self.successes = torch.zeros(batch_size, dtype=torch.float64)
+        self.trials = torch.zeros(batch_size, dtype=torch.float64)
+        self.plain_streak = 0
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self._started: float | None = None
+        self._probing = False
+        self.last_prediction: dict | None = None
+
+    # ------------------------------------------------------------------ choice
+
+    def acceptance(self, rows: list[int]) -> torch.Tensor:
+        """Per-row probability that a draft is accepted, ``[len(rows)]``."""
+        pooled = (self.successes.sum() + PRIOR_WEIGHT * self.table.acceptance) / (self.trials.sum() + PRIOR_WEIGHT)
+        index = torch.tensor(rows, dtype=torch.long)
+        own_s, own_t = self.successes[index], self.trials[index]
+        return ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+
+    def expected_committed(self, rows: list[int], width: int) -> float:
+        """Expected tokens the step commits over ``rows`` at ``width``: ``sum_b (1 + p_b + ... + p_b^(width-1))``."""
+        p = self.acceptance(rows)
+        powers = p[:, None] ** torch.arange(width, dtype=torch.float64)
+        return float(powers.sum())
+
+    def plan(self, rows: list[int], max_drafts: torch.LongTensor) -> torch.LongTensor:
+        """Drafts each active row verifies in the next step, ``[R]``, at most ``max_drafts [R]`` (a row's token
+        budget); all zero = a plain step."""
+        width = self.width(rows, int(max_drafts.max()) + 1)
+        return torch.clamp(max_drafts, min=0, max=width - 1)
+
+    def width(self, rows: list[int], max_width: int) -> int:
+        """The verify width of the next step for the active ``rows`` (at most ``max_width``); 1 = a plain step."""
+        count, table = len(rows), self.table
+        max_width = max(1, min(max_width, self.block_size))
+        plain, full = table.cost(count, 1), table.cost(count, max_width)
+        self._probing, self.last_prediction = False, None
+        if plain is None or max_width == 1:
+            width = 1  # measure a plain step first: every other choice is compared with it
+        elif full is None:
+            width, self._probing = max_width, True  # nothing drafted measured at this many rows yet: probe
+        else:
+            rates = {1: count / plain}
+            for width in range(2, max_width + 1):
+                rates[width] = self.expected_committed(rows, width) / table.cost(count, width)
+            width = max(rates, key=rates.get)
+            if width == 1 and self.plain_streak >= table.probe_interval:
+                width, self._probing = max_width, True
+            self.last_prediction = {
+                "predicted_step_s": table.cost(count, width),
+                "predicted_tokens": self.expected_committed(rows, width) if width > 1 else float(count),
+            }
+        return width
+
+    # ------------------------------------------------------------------ feedback
+
+    def begin(self) -> None:
+        """Starts the clock of a step (before anything of it runs, the planner's choice included)."""
+        self._sync()
+        self._started = time.perf_counter()
+
+    def observe(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> float:
+        """Records the step just run (started at the last `begin`); returns its measured seconds."""
+        self._sync()
+        seconds = time.perf_counter() - self._started
+        self.table.observe(len(rows), width, seconds)
+        for row, got, out_of in zip(rows, accepted, offered):
+            if out_of > 0:
+                self.successes[row] += got
+                self.trials[row] += got + (1 if got < out_of else 0)
+        if width == 1:
+            self.plain_streak += 1
+        else:
+            if self._probing:
+                # a probe that does not make drafting win next time waits twice as long before the next one
+                self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
+            else:
+                self.table.probe_interval = FIRST_PROBE_INTERVAL
+            self.plain_streak = 0
+        trials = float(self.trials.sum())
+        if trials > 0:
+            self.table.acceptance = float(self.successes.sum()) / trials
+        return seconds

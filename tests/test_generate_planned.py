@@ -1,0 +1,180 @@
+"""`length_policy="planned"`: the cost-aware planner only chooses how many drafts are verified, so outputs stay those
+of plain decoding whatever it chooses (zero drafts for every row, for some rows, a width that changes every step);
+and it chooses what its measured costs and observed acceptance say pays."""
+
+import pytest
+import torch
+from helpers import oracle_drafter, tiny_drafter, tiny_target
+from test_generate_batched import PAD, PROMPTS, alone, common_token, left_pad, rows_of
+from test_generate_sampling import NEW, PROMPT, SAMPLING, exact_joint, p_value
+from transformers import GenerationConfig
+
+import adaflash_hf
+from adaflash_hf.generation import planner as planner_module
+from adaflash_hf.generation.planner import CostTable, VerificationPlanner
+
+PLANNED = dict(adaflash_length_policy="planned")
+
+
+def _generate(target, drafter, ids, mask, eos, **kwargs):
+    config = GenerationConfig(
+        max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=PAD, **PLANNED, **kwargs
+    )
+    with adaflash_hf.record_stats() as stats:
+        out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=drafter)
+    return out, stats
+
+
+def _forced(monkeypatch, choose):
+    """Replaces the planner's choice by ``choose(step, rows, max_drafts) -> drafts per row``."""
+    calls = []
+
+    def plan(self, rows, max_drafts):
+        calls.append(rows)
+        return torch.as_tensor(choose(len(calls), rows, max_drafts), dtype=torch.long).clamp(max=max_drafts)
+
+    monkeypatch.setattr(VerificationPlanner, "plan", plan)
+    return calls
+
+
+CHOICES = {
+    "zero for every row": lambda step, rows, cap: [0] * len(rows),
+    "zero for odd rows": lambda step, rows, cap: [0 if row % 2 else 7 for row in rows],
+    "zero every other step": lambda step, rows, cap: [7 * (step % 2)] * len(rows),
+    "a random width": lambda step, rows, cap: [int(torch.randint(0, 8, ()))] * len(rows),
+}
+
+
+@pytest.mark.parametrize("choice", sorted(CHOICES))
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_any_choice_of_the_planner_keeps_greedy_exact(monkeypatch, choice, batch_size):
+    target = tiny_target()
+    prompts = PROMPTS[:batch_size]
+    free = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    eos = common_token(free)
+    references = [alone(target, p, max_new_tokens=30, eos_token_id=eos) for p in prompts]
+    ids, mask = left_pad(prompts)
+    full_refs = [p + r for p, r in zip(prompts, free)]
+    drafters = {
+        "random": tiny_drafter(target),
+        "oracle": oracle_drafter(target, full_refs, corrupt=lambda row, anchor: {1 + (row + anchor) % 7}),
+    }
+    _forced(monkeypatch, CHOICES[choice])
+    for name, drafter in drafters.items():
+        drafter_calls = []
+        drafter.register_forward_hook(lambda *args, calls=drafter_calls: calls.append(1))
+        out, stats = _generate(target, drafter, ids, mask, eos)
+        for got, want in zip(rows_of(out, prompts), references):
+            assert got[: len(want)] == want, (name, choice)
+            assert all(t == PAD for t in got[len(want) :]), (name, choice)
+        offered = [n - 1 for step in stats.steps for n in step.candidate_lengths]
+        plain_steps = sum(step.verify_width == 1 for step in stats.steps)
+        if choice == "zero for every row":
+            assert drafter_calls == [] and set(offered) == {0}  # no drafter forward at all
+        elif choice == "zero every other step":
+            assert len(drafter_calls) == len(stats.steps) - plain_steps and 0 < plain_steps < len(stats.steps)
+
+
+def test_the_unforced_planner_is_exact_and_its_predictions_are_recorded():
+    target = tiny_target()
+    prompts = PROMPTS[:4]
+    references = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    ids, mask = left_pad(prompts)
+    oracle = oracle_drafter(target, [p + r for p, r in zip(prompts, references)])
+    for drafter in (tiny_drafter(target), oracle):
+        for _ in range(2):  # the second call starts from the costs the first measured
+            out, stats = _generate(target, drafter, ids, mask, None)
+            assert rows_of(out, prompts) == references
+    steps = stats.steps
+    assert all(step.step_time_s > 0 for step in steps)
+    assert any(step.predicted_step_s is not None and step.predicted_tokens > 0 for step in steps)
+
+
+def test_context_queued_across_plain_steps_drafts_as_if_fed_step_by_step():
+    from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    config = GenerationConfig(max_length=64, do_sample=False)
+    features = torch.randn(1, 9, drafter.fc.in_features)
+    positions = torch.arange(9)[None]
+    ids = torch.randint(3, 100, (1, 10))
+
+    def drafts(pieces):
+        generator = AdaFlashCandidateGenerator(target, drafter, config)
+        for start, end in pieces:
+            generator.add_context(features[:, start:end], positions[:, start:end])
+        return generator.draft(ids[:, 9], torch.tensor([9]), ids, torch.tensor([10]), torch.tensor([7])).tokens
+
+    # the prompt, then three plain steps of one token each, queued for one draft()
+    assert torch.equal(drafts([(0, 6), (6, 7), (7, 8), (8, 9)]), drafts([(0, 9)]))
+
+
+def test_planned_sampling_matches_the_processed_distribution(monkeypatch):
+    target = tiny_target(vocab_size=12, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=11)
+    _forced(monkeypatch, lambda step, rows, cap: [3 * (step % 2)] * len(rows))  # plain and drafted steps alternate
+    drafter.config.length_policy = "planned"  # a GenerationConfig object would drop the model's sampling defaults
+    torch.manual_seed(0)
+    samples = []
+    for _ in range(100):
+        out = target.generate(torch.tensor([PROMPT] * 20), max_new_tokens=NEW, assistant_model=drafter, **SAMPLING)
+        samples += [tuple(row[len(PROMPT) :].tolist()) for row in out]
+    assert p_value(samples, exact_joint(target)) > 1e-3
+
+
+# ------------------------------------------------------------------ the choice itself
+
+
+def _planner(step_s: dict, acceptance: float, rows: int = 1) -> VerificationPlanner:
+    table = CostTable(step_s=dict(step_s), acceptance=acceptance)
+    return VerificationPlanner(table, block_size=16, batch_size=rows, device=torch.device("cpu"))
+
+
+def test_it_drafts_where_speculation_pays_and_steps_plainly_where_it_cannot():
+    # a CPU-like cost: verifying 16 tokens costs 2 plain steps, the drafter a third of one
+    costs = {(1, 1): 1.0, (1, 2): 1.4, (1, 16): 2.3}
+    assert _planner(costs, acceptance=0.9).width([0], 16) >= 12
+    assert _planner(costs, acceptance=0.05).width([0], 16) == 1
+    # in between, a short block: two or three drafts commit 1.5-1.9 tokens for 1.4-1.5 steps' cost
+    assert 1 < _planner(costs, acceptance=0.5).width([0], 16) < 6
+    # a row's own record outweighs the pooled prior once it has some
+    planner = _planner(costs, acceptance=0.9, rows=2)
+    planner.successes[:], planner.trials[:] = torch.tensor([45.0, 0.0]), torch.tensor([50.0, 50.0])
+    assert planner.acceptance([1])[0] < 0.1 < 0.8 < planner.acceptance([0])[0]
+
+
+def test_costs_interpolate_between_measured_widths_and_unknown_batches_are_measured_first():
+    table = CostTable(step_s={(4, 1): 1.0, (4, 2): 2.0, (4, 10): 4.0})
+    assert table.cost(4, 6) == pytest.approx(3.0)
+    assert table.cost(4, 16) == pytest.approx(5.5)  # along the last two measured widths
+    assert table.cost(8, 6) is None
+    planner = VerificationPlanner(CostTable(), block_size=16, batch_size=8, device=torch.device("cpu"))
+    assert planner.width(list(range(8)), 16) == 1  # a plain step first: everything is compared with it
+    planner.begin()
+    planner.observe(list(range(8)), 1, [0] * 8, [0] * 8)
+    assert planner.width(list(range(8)), 16) == 16  # then a probe of the full block
+
+
+def test_probes_back_off_while_drafting_cannot_pay():
+    planner = _planner({(1, 1): 1.0, (1, 16): 5.0, (1, 2): 3.0}, acceptance=0.05)
+    widths = []
+    for _ in range(60):
+        planner.begin()
+        width = planner.width([0], 16)
+        widths.append(width)
+        planner.observe([0], width, [0], [width - 1])
+        planner.table.step_s = {(1, 1): 1.0, (1, 16): 5.0, (1, 2): 3.0}  # hold the costs still
+    probes = [i for i, w in enumerate(widths) if w > 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
+    assert len(probes) <= 4
+
+
+def test_the_cost_table_is_kept_per_pair_for_the_process():
+    target = tiny_target()
+    first, second = tiny_drafter(target), tiny_drafter(target)
+    table = planner_module.cost_table(target, first, torch.device("cpu"), torch.float32)
+    assert planner_module.cost_table(target, first, torch.device("cpu"), torch.float32) is table
+    assert planner_module.cost_table(target, second, torch.device("cpu"), torch.float32) is not table
+    assert planner_module.cost_table(target, first, torch.device("cpu"), torch.bfloat16) is not table
