@@ -102,7 +102,7 @@ def load_models(args):
         if args.target is not None:
             prompts = _chat_prompts(tokenizer)
     drafter = AdaFlashDrafter.from_pretrained(str(drafter_path), dtype=dtype).to(args.device).eval()
-    if args.command == "demo" and args.prompts:
+    if getattr(args, "prompts", None):
         demo_module = demo_package(args.command, "demo")
         try:
             prompts = demo_module.chat_texts(tokenizer, demo_module.read_prompt_file(args.prompts))
@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--batch-sizes", help="comma-separated (default 1,8,32; 1,8 with --quick)")
     bench_parser.add_argument("--prompts-per-domain", type=int, help="default 32; 8 with --quick")
     bench_parser.add_argument("--repeats", type=int, default=1)
+    bench_parser.add_argument(
+        "--prompts", help="JSONL of your own prompts (as for demo); batches are formed per `domain`"
+    )
     bench_parser.add_argument(
         "--quick", action="store_true", help="reduced defaults: batch 1 and 8, 8 prompts, 64 tokens"
     )

@@ -49,7 +49,7 @@ def test_bench_quick_writes_records(tmp_path, capsys):
         "toy",
         "--quick",
         "--methods",
-        "plain,adaflash_fixed,adaflash_adaptive",
+        "plain,adaflash_fixed,adaflash_adaptive,adaflash_planned",
         "--batch-sizes",
         "1,2",
         "--prompts-per-domain",
@@ -74,7 +74,19 @@ def test_bench_quick_writes_records(tmp_path, capsys):
     }
     assert all(keys <= set(r) for r in records)
     assert {r["batch_size"] for r in records} == {1, 2}
+    assert {r["method"] for r in records} == {"plain", "adaflash_fixed", "adaflash_adaptive", "adaflash_planned"}
     assert all(r["identical_fraction"] == 1.0 for r in records if r["dtype"] == "float32")
+
+
+def test_bench_serves_a_prompt_file_in_batches_per_domain(tmp_path):
+    prompts, path = tmp_path / "prompts.jsonl", tmp_path / "out.json"
+    rows = [{"prompt": text, "domain": "mixed"} for text in ("def add(a, b):", "The quick brown fox", "ls -l", "2 + 2")]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["bench", "--world", "toy", "--prompts", str(prompts), "--methods", "plain,adaflash_planned"]
+    assert main([*args, "--batch-sizes", "4", "--max-new-tokens", "12", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert {(r["domain"], r["batch_size"]) for r in records} == {("mixed", 4)}
+    assert all(r["identical_fraction"] == 1.0 for r in records)
 
 
 def test_online_adapts_on_the_unseen_stream_and_compares_with_the_baseline(tmp_path, capsys):

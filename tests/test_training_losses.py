@@ -134,6 +134,27 @@ def test_row_statistics_equal_direct_formulas_and_chunking_is_exact(temperature)
     assert torch.allclose(chunked, student.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("loss_type", ["opd", "ce", "fkl"])
+def test_only_the_divergences_a_loss_reads_are_computed_and_the_loss_is_unchanged(loss_type):
+    from adaflash_hf.training.losses import LOSS_DIVERGENCES
+
+    student, teacher, weight, bias, labels = _rows()
+    w = torch.rand(7, generator=torch.Generator().manual_seed(1))
+    full = row_statistics(student, teacher, labels, weight, bias)
+    reference, _ = drafting_loss(full, w, loss_type)
+    (reference_grad,) = torch.autograd.grad(reference, student)
+    needed = LOSS_DIVERGENCES[loss_type]
+    for checkpointing in (True, False):
+        lean = row_statistics(
+            student, teacher, labels, weight, bias, chunk_size=3, divergences=needed, checkpointing=checkpointing
+        )
+        loss, _ = drafting_loss(lean, w, loss_type)
+        (grad,) = torch.autograd.grad(loss, student)
+        assert torch.allclose(loss, reference, atol=1e-6) and torch.allclose(grad, reference_grad, atol=1e-6)
+        for name in {"forward_kl", "reverse_kl"} - set(needed):
+            assert not getattr(lean, name).any()  # not computed
+
+
 def test_ce_target_of_opd_is_the_teacher_argmax_not_the_data_token():
     student, teacher, weight, bias, _ = _rows()
     teacher_argmax = F.linear(teacher, weight, bias).argmax(-1)

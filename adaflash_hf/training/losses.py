@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from ..generation.acceptance import leading_true
 
 LOSS_TYPES = ("opd", "ce", "fkl")
+LOSS_DIVERGENCES = {"opd": ("reverse_kl",), "ce": (), "fkl": ("forward_kl",)}  # what `drafting_loss` reads
 CLIP_MODES = ("reference", "per_token")
 LENGTH_LOSSES = ("mse", "mae")
 
@@ -39,25 +40,32 @@ class RowStatistics:
     student_max_prob: torch.Tensor
 
 
-def _chunk_statistics(student_hidden, teacher_hidden, data_labels, weight, bias, temperature):
+def _chunk_statistics(student_hidden, teacher_hidden, data_labels, weight, bias, temperature, divergences):
     student_logits = F.linear(student_hidden.to(weight.dtype), weight, bias).float()
     with torch.no_grad():
         teacher_logits = F.linear(teacher_hidden.to(weight.dtype), weight, bias).float()
-        teacher_logp = F.log_softmax(teacher_logits / temperature, dim=-1)
         teacher_argmax = teacher_logits.argmax(dim=-1)
+        teacher_logp = F.log_softmax(teacher_logits / temperature, dim=-1) if divergences else None
     student_logp_raw = F.log_softmax(student_logits, dim=-1)
     student_logp = F.log_softmax(student_logits / temperature, dim=-1) if temperature != 1.0 else student_logp_raw
-    student_p = student_logp.exp()
     scale = temperature**2
+    # Each full-vocabulary pass costs about as much as the projection itself on a CPU: only the asked ones run.
+    zeros = student_logits.new_zeros(student_logits.shape[0])
+    forward_kl = reverse_kl = zeros
+    if "forward_kl" in divergences:
+        forward_kl = scale * (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+    if "reverse_kl" in divergences:
+        # The gradient flows through p_S only; log p_T is a constant, as in the reference `kl_div(log p_T, p_S)`.
+        reverse_kl = scale * (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
+    top_logp, student_argmax = student_logp_raw.detach().max(dim=-1)
     return (
         F.nll_loss(student_logp_raw, teacher_argmax, reduction="none"),
         F.nll_loss(student_logp_raw, data_labels, reduction="none"),
-        scale * (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1),
-        # The gradient flows through p_S only; log p_T is a constant, as in the reference `kl_div(log p_T, p_S)`.
-        scale * (student_p * (student_logp - teacher_logp)).sum(-1),
-        student_logits.argmax(dim=-1),
+        forward_kl,
+        reverse_kl,
+        student_argmax,
         teacher_argmax,
-        student_logp_raw.detach().max(dim=-1).values.exp(),
+        top_logp.exp(),
     )
 
 
@@ -69,6 +77,8 @@ def row_statistics(
     lm_head_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    divergences: tuple[str, ...] = ("forward_kl", "reverse_kl"),
+    checkpointing: bool = True,
 ) -> RowStatistics:
     """Projects ``M`` rows through the (frozen) output head chunk by chunk and returns `RowStatistics`.
 
@@ -79,6 +89,10 @@ def row_statistics(
         data_labels (`[M]`): the data token of each slot.
         lm_head_weight (`[V, H]`), lm_head_bias (`[V]`): the target's output head, detached here so no gradient
             reaches the target.
+        divergences (`tuple[str, ...]`): which of ``"forward_kl"`` and ``"reverse_kl"`` to compute (the others are
+            zeros); `LOSS_DIVERGENCES` names what each loss type needs.
+        checkpointing (`bool`): recompute each chunk's ``[chunk, V]`` logits in backward instead of keeping them
+            (bounded memory; about 1.6x the loss time on a CPU, where memory is rarely the limit).
     """
     weight = lm_head_weight.detach()
     bias = lm_head_bias.detach() if lm_head_bias is not None else None
@@ -86,8 +100,16 @@ def row_statistics(
     # At least one (possibly empty) chunk, so a micro-batch without supervised rows still yields [0] tensors.
     for start in range(0, max(student_hidden.shape[0], 1), chunk_size):
         rows = slice(start, start + chunk_size)
-        args = (student_hidden[rows], teacher_hidden[rows].detach(), data_labels[rows], weight, bias, temperature)
-        if torch.is_grad_enabled() and student_hidden.requires_grad:
+        args = (
+            student_hidden[rows],
+            teacher_hidden[rows].detach(),
+            data_labels[rows],
+            weight,
+            bias,
+            temperature,
+            tuple(divergences),
+        )
+        if checkpointing and torch.is_grad_enabled() and student_hidden.requires_grad:
             # Recompute the [chunk, V] logits in backward instead of keeping them for every chunk.
             chunks.append(checkpoint(_chunk_statistics, *args, use_reentrant=False))
         else:

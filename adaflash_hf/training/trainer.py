@@ -30,7 +30,14 @@ from ..hub import drafter_card_fields, render_model_card
 from .blocks import block_loss_weights, sample_anchors
 from .config import OPDConfig
 from .features import FeatureCache, draft_blocks, slot_targets, target_features
-from .losses import accepted_drafts, drafting_loss, length_head_labels, length_head_loss, row_statistics
+from .losses import (
+    LOSS_DIVERGENCES,
+    accepted_drafts,
+    drafting_loss,
+    length_head_labels,
+    length_head_loss,
+    row_statistics,
+)
 from .rollouts import (
     RolloutStore,
     check_columns,
@@ -393,6 +400,8 @@ class OPDTrainer(DistillationTrainer):
             head.bias,
             temperature=args.kl_temperature,
             chunk_size=args.loss_chunk_size,
+            divergences=LOSS_DIVERGENCES[args.loss_type],
+            checkpointing=args.loss_checkpointing,
         )
         loss, parts = drafting_loss(
             stats, weights[supervised], args.loss_type, args.alpha, args.clip_tau, args.clip_mode

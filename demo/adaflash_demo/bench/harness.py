@@ -29,6 +29,7 @@ METHODS = (
     "adaflash_fixed",
     "adaflash_adaptive",
     "adaflash_confidence",
+    "adaflash_planned",
 )
 BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
 
@@ -99,7 +100,7 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
         return {"prompt_lookup_num_tokens": 10}
     if method == "native_dflash":
         return {"assistant_model": drafter, "speculation_type": "dflash"}
-    policy = {"adaflash_fixed": "fixed", "adaflash_adaptive": "adaptive", "adaflash_confidence": "confidence"}[method]
+    policy = method.removeprefix("adaflash_")
     return {"assistant_model": drafter, "adaflash_length_policy": policy}
 
 
