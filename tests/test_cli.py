@@ -80,7 +80,8 @@ def test_bench_quick_writes_records(tmp_path, capsys):
 
 def test_bench_serves_a_prompt_file_in_batches_per_domain(tmp_path):
     prompts, path = tmp_path / "prompts.jsonl", tmp_path / "out.json"
-    rows = [{"prompt": text, "domain": "mixed"} for text in ("def add(a, b):", "The quick brown fox", "ls -l", "2 + 2")]
+    texts = ("def add(a, b):", "The quick brown fox", "ls -l", "2 + 2")
+    rows = [{"prompt": text, "domain": "mixed"} for text in texts]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = ["bench", "--world", "toy", "--prompts", str(prompts), "--methods", "plain,adaflash_planned"]
     assert main([*args, "--batch-sizes", "4", "--max-new-tokens", "12", "--json", str(path)]) == 0
