@@ -129,15 +129,18 @@ def _chat_prompts(tokenizer) -> dict[str, list[str]]:
 
 
 def demo(args) -> int:
-    """Plain generate() against AdaFlash (adaptive length), prompt by prompt at batch 1: one answer per domain,
-    then per domain whether every output is identical, the acceptance length and both speeds."""
+    """Plain generate() against AdaFlash (``--method``, the planner by default), prompt by prompt at batch 1: one
+    answer per domain, then per domain whether every output is identical, the acceptance length and both speeds."""
     harness, demo_module = demo_package("demo", "bench.harness"), demo_package("demo", "demo")
+    method = args.method or demo_module.DEMO_METHOD
     target, tokenizer, drafter, _, prompts = load_models(args)
+    print(f"method: {method} against plain generate()", file=sys.stderr)
     chosen = {domain: texts[: args.prompts_per_domain] for domain, texts in prompts.items()}
     samples = {}  # the last AdaFlash answer per domain, shown as an example
+    chosen_method = method
 
     def keep_sample(domain, method, rows):
-        if method == "adaflash_adaptive":
+        if method == chosen_method:
             samples[domain] = rows[-1]
 
     with tqdm(total=sum(map(len, chosen.values())), desc="demo", unit="prompt", file=sys.stderr) as progress:
@@ -146,7 +149,7 @@ def demo(args) -> int:
             tokenizer,
             chosen,
             drafter=drafter,
-            methods=("plain", "adaflash_adaptive"),
+            methods=("plain", method),
             max_new_tokens=args.max_new_tokens or 128,
             progress=progress,
             on_output=keep_sample,
@@ -154,7 +157,7 @@ def demo(args) -> int:
     for domain, texts in chosen.items():
         answer = tokenizer.decode(samples[domain], skip_special_tokens=True)
         print(f"\n[{domain}] ...{texts[-1][-200:]!s}\n  -> {answer[:300]!s}")
-    summary = demo_module.demo_records(records, {domain: len(texts) for domain, texts in chosen.items()})
+    summary = demo_module.demo_records(records, {domain: len(texts) for domain, texts in chosen.items()}, method)
     print("\n" + demo_module.markdown(summary))
     speedups = [r.speedup for r in summary]
     print(
@@ -324,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", help="JSONL of your own prompts: one object per line, `prompt` (plain text) and `domain`"
     )
     demo_parser.add_argument("--json", help="write one JSON record per domain here")
+    demo_parser.add_argument(
+        "--method",
+        choices=["adaflash_planned", "adaflash_adaptive", "adaflash_fixed", "adaflash_confidence"],
+        help="the AdaFlash length policy shown against plain generate() (default: adaflash_planned)",
+    )
     demo_parser.set_defaults(func=demo)
 
     bench_parser = commands.add_parser("bench", help="all methods side by side (needs: pip install ./demo)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The batch sweep of BENCHMARKS.md on the real target (the "never slower" issue): plain batched generate(), the fixed
 # block, the adaptive length and the planner at batch 1, 2, 4, 8, 16, 32, float32 greedy, on one mixed pool of
-# held-out prompts (the first 8 of each trained domain, so batch 32 has a whole batch). NEW (default 64) new tokens.
+# held-out prompts (the first 8 of each trained domain, so batch 32 has a whole batch). NEW (default 64) new tokens,
+# BATCHES and METHODS choose what runs.
 # Writes bench/results/smollm2_sweep.*. Keep the machine otherwise idle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,6 @@ with open(sys.argv[1], "w") as handle:
             handle.write(json.dumps({"prompt": prompt, "domain": "mixed"}) + "\n")
 PY
 "${PYTHON:-python}" -m adaflash_hf.cli bench --dtype float32 --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
-    --prompts "$out/sweep_prompts.jsonl" --max-new-tokens "${NEW:-64}" \
-    --methods plain,adaflash_fixed,adaflash_adaptive,adaflash_planned \
+    --prompts "$out/sweep_prompts.jsonl" --prompts-per-domain 32 --max-new-tokens "${NEW:-64}" \
+    --methods "${METHODS:-plain,adaflash_fixed,adaflash_adaptive,adaflash_planned}" \
     --json "$out/smollm2_sweep.json" --markdown "$out/smollm2_sweep.md" | tee "$out/smollm2_sweep.log"

@@ -89,3 +89,21 @@ def test_step_timing_on_a_tiny_shape(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["batch_size"] for r in rows] == [1, 2]
     assert all(r["steps"] == 17 and r["drafter_ms_per_step"] > 0 and r["target_ms_per_step"] > 0 for r in rows)
+
+
+def test_methods_keep_their_policy_when_the_targets_generation_config_comes_from_its_model_config(word_tokenizer):
+    """GGUF-loaded targets (the demo's SmolLM2) carry `_from_model_config=True`, which made GenerationConfig drop the
+    `adaflash_length_policy` of every method: all of them ran the drafter's default policy."""
+    target = tiny_target()
+    target.generation_config.pad_token_id = 2
+    target.generation_config._from_model_config = True
+    drafter = tiny_drafter(target)
+    # the drafter's own default: about one draft a step, which every method would run if its policy were dropped
+    drafter.config.length_policy, drafter.config.confidence_threshold = "confidence", 0.01
+    word_tokenizer.padding_side = "left"
+    prompts = {"letters": ["abcabcab", "hello world"]}
+    records = run_benchmark(
+        target, word_tokenizer, prompts, drafter=drafter, methods=("plain", "adaflash_fixed"), max_new_tokens=12
+    )
+    fixed = next(r for r in records if r.method == "adaflash_fixed")
+    assert fixed.verified_per_emitted > 4  # 8-token blocks, a random drafter: about 8 verified per emitted token

@@ -109,7 +109,7 @@ def test_validation_prompts_are_the_heldout_prompts_not_measured(tmp_path):
 
 
 def test_unknown_stage_is_named():
-    with pytest.raises(ValueError, match="Unknown stage.*'tune'.*prompts, answers, train, evaluate, ship"):
+    with pytest.raises(ValueError, match="Unknown stage.*'tune'.*prompts, answers, features, train, evaluate, ship"):
         recipe.RecipeConfig(stages=["prompts", "tune"])
 
 

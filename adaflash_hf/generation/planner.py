@@ -7,7 +7,8 @@ decoding step. Both sides are measured, never assumed:
 * **cost**: the wall time of whole loop steps, per number of active rows ``R`` and verify width ``w`` (the anchor
   plus ``w - 1`` drafts): ``S(R, 1)`` is a plain step (no drafter forward at all), ``S(R, w)`` a drafted one. Each is
   an exponential moving average of the loop's own steps; an unmeasured width is interpolated linearly between the
-  measured widths of the same ``R`` (and extrapolated along the last two). The table lives in the process, per
+  measured widths of the same ``R`` (and extrapolated along the last two), and an unmeasured ``R`` borrows the
+  nearest measured one's costs (rows leave a batch one by one as they finish). The table lives in the process, per
   (target, drafter, device, dtype), so a later ``generate()`` call starts from what earlier ones measured.
 * **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
   probability ``p`` (a geometric model), so ``k`` offered drafts commit ``1 + p + ... + p^k`` tokens in expectation.
@@ -52,25 +53,28 @@ class CostTable:
         self.step_s[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def cost(self, rows: int, width: int) -> float | None:
-        """Seconds of a step of ``rows`` rows at ``width``; ``None`` when no step of that many rows at a drafted
-        (``width > 1``) or plain (``width == 1``) width was measured."""
+        """Seconds of a step of ``rows`` rows at ``width``; ``None`` when no step at a drafted (``width > 1``) or
+        plain (``width == 1``) width was measured at all. A row count without a measurement of that kind borrows
+        the nearest measured row count's (rows leave a batch one by one as they finish; probing each count anew would
+        cost more than the estimate's error)."""
         if (rows, width) in self.step_s:
             return self.step_s[(rows, width)]
-        measured = sorted((w, s) for (r, w), s in self.step_s.items() if r == rows and (w > 1) == (width > 1))
-        if not measured:
+        kind = {r for (r, w) in self.step_s if (w > 1) == (width > 1)}
+        if not kind:
             return None
-        if len(measured) == 1:
-            return measured[0][1]
-        below = [(w, s) for w, s in measured if w < width]
-        above = [(w, s) for w, s in measured if w > width]
+        rows = min(kind, key=lambda r: (abs(r - rows), r))
+        measured = dict(sorted((w, s) for (r, w), s in self.step_s.items() if r == rows and (w > 1) == (width > 1)))
+        if width in measured or len(measured) == 1:
+            return measured.get(width, next(iter(measured.values())))
+        widths = list(measured)
+        below, above = [w for w in widths if w < width], [w for w in widths if w > width]
         if below and above:
-            (w0, s0), (w1, s1) = below[-1], above[0]
+            w0, w1 = below[-1], above[0]
         elif below:
-            (w0, s0), (w1, s1) = below[-2] if len(below) > 1 else below[-1], below[-1]
+            w0, w1 = below[-2], below[-1]
         else:
-            (w0, s0), (w1, s1) = above[0], above[1]
-        if w1 == w0:
-            return s1
+            w0, w1 = above[0], above[1]
+        s0, s1 = measured[w0], measured[w1]
         return max(s0 + (s1 - s0) * (width - w0) / (w1 - w0), min(s0, s1))
 
 
@@ -136,7 +140,7 @@ class VerificationPlanner:
         if plain is None or max_width == 1:
             width = 1  # measure a plain step first: every other choice is compared with it
         elif full is None:
-            width, self._probing = max_width, True  # nothing drafted measured at this many rows yet: probe
+            width, self._probing = max_width, True  # no drafted step measured yet: probe
         else:
             rates = {1: count / plain}
             for width in range(2, max_width + 1):

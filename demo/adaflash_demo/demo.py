@@ -25,6 +25,9 @@ class PromptFileError(ValueError):
 # stops (adaflash_demo.recipe.validation_prompts); the demo and the benchmark serve only the first 16.
 EVALUATION_PROMPTS = 16
 
+# What `adaflash demo` shows against plain generate(): the planner, which never verifies what cannot pay.
+DEMO_METHOD = "adaflash_planned"
+
 
 def shipped_prompts(per_domain: int, data_dir: Path = DRAFTER_DIR) -> dict[str, list[str]]:
     """The first ``min(per_domain, EVALUATION_PROMPTS)`` held-out prompts of each domain, as shipped with the
@@ -88,13 +91,13 @@ class DemoRecord:
     speedup: float
 
 
-def demo_records(bench_records, counts: dict[str, int]) -> list[DemoRecord]:
-    """Pairs each domain's plain and AdaFlash bench records into one demo record; ``counts`` holds the prompts
-    served per domain (at batch 1, one bench row per prompt)."""
+def demo_records(bench_records, counts: dict[str, int], method: str = DEMO_METHOD) -> list[DemoRecord]:
+    """Pairs each domain's plain and AdaFlash (``method``) bench records into one demo record; ``counts`` holds the
+    prompts served per domain (at batch 1, one bench row per prompt)."""
     by_key = {(r.domain, r.method): r for r in bench_records}
     records = []
     for domain, n in counts.items():
-        plain, fast = by_key[(domain, "plain")], by_key[(domain, "adaflash_adaptive")]
+        plain, fast = by_key[(domain, "plain")], by_key[(domain, method)]
         records.append(
             DemoRecord(
                 domain=domain,

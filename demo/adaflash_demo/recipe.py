@@ -37,7 +37,8 @@ STAGES = ("prompts", "answers", "features", "train", "evaluate", "ship")
 
 @dataclass
 class RecipeConfig:
-    """Every setting of the drafter build, by group. Defaults are the shipped drafter's."""
+    """Every setting of the drafter build, by group. Defaults are those of demo/recipes/smollm2-drafter.yaml; the
+    shipped drafter's own settings are recorded in its report.json."""
 
     # Where things go
     work_dir: str = field(default="build/smollm2-drafter", metadata={"help": "Stage outputs (resumable)."})

@@ -191,9 +191,15 @@ def _speed(tally) -> float:
 def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tally) -> list[list[int]]:
     kwargs = method_kwargs(method, drafter, ar_draft)
     adaflash = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("adaflash_")}
-    config = GenerationConfig(
-        **{**target.generation_config.to_dict(), "do_sample": False, "max_new_tokens": max_new_tokens, **adaflash}
-    )
+    defaults = target.generation_config.to_dict()
+    # A generation config derived from the model config (GGUF-loaded targets, models saved without one) carries
+    # `_from_model_config=True`, and GenerationConfig(**kwargs) then drops every attribute it does not know: the
+    # `adaflash_*` policy would silently fall back to the drafter's default.
+    defaults.pop("_from_model_config", None)
+    config = GenerationConfig(**{**defaults, "do_sample": False, "max_new_tokens": max_new_tokens, **adaflash})
+    missing = {key for key, value in adaflash.items() if getattr(config, key, None) != value}
+    if missing:
+        raise RuntimeError(f"GenerationConfig dropped {sorted(missing)}; the method would not run as named")
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     with counter.counting():
         sync()

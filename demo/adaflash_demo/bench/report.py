@@ -51,7 +51,7 @@ def summary_tables(records) -> str:
         "|---|---|---|---|---|---|",
     ]
     for (batch, method), group in sorted(sweep.items()):
-        if batch == 1 and method not in ("plain", "adaflash_fixed", "adaflash_adaptive"):
+        if batch == 1 and method not in ("plain", "adaflash_fixed", "adaflash_adaptive", "adaflash_planned"):
             continue
         mean = {c: sum(getattr(r, c) for r in group) / len(group) for c in COLUMNS[4:8]}
         lines.append(
