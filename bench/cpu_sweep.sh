@@ -22,4 +22,4 @@ PY
 "${PYTHON:-python}" -m adaflash_hf.cli bench --dtype float32 --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --prompts "$out/sweep_prompts.jsonl" --prompts-per-domain 32 --max-new-tokens "${NEW:-64}" \
     --methods "${METHODS:-plain,adaflash_fixed,adaflash_adaptive,adaflash_planned}" \
-    --json "$out/smollm2_sweep.json" --markdown "$out/smollm2_sweep.md" | tee "$out/smollm2_sweep.log"
+    --json "$out/smollm2_sweep.json" --markdown "$out/smollm2_sweep.md"
