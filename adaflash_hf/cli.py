@@ -102,7 +102,7 @@ def load_models(args):
         if args.target is not None:
             prompts = _chat_prompts(tokenizer)
     drafter = AdaFlashDrafter.from_pretrained(str(drafter_path), dtype=dtype).to(args.device).eval()
-    if getattr(args, "prompts", None):
+    if args.command in ("demo", "bench") and args.prompts:  # `online --prompts` is a stream, read by online()
         demo_module = demo_package(args.command, "demo")
         try:
             prompts = demo_module.chat_texts(tokenizer, demo_module.read_prompt_file(args.prompts))
