@@ -154,7 +154,7 @@ def test_costs_interpolate_between_measured_widths_and_unknown_batches_are_measu
     assert planner.width(list(range(8)), 16) == 1  # a plain step first: everything is compared with it
     planner.begin()
     planner.observe(list(range(8)), 1, [0] * 8, [0] * 8)
-    assert planner.width(list(range(8)), 16) == 16  # then a probe of the full block
+    assert planner.width(list(range(8)), 16) == planner_module.PROBE_WIDTH  # then a short probe
 
 
 def test_probes_back_off_while_drafting_cannot_pay():
