@@ -137,10 +137,9 @@ def demo(args) -> int:
     print(f"method: {method} against plain generate()", file=sys.stderr)
     chosen = {domain: texts[: args.prompts_per_domain] for domain, texts in prompts.items()}
     samples = {}  # the last AdaFlash answer per domain, shown as an example
-    chosen_method = method
 
-    def keep_sample(domain, method, rows):
-        if method == chosen_method:
+    def keep_sample(domain, ran, rows):
+        if ran == method:
             samples[domain] = rows[-1]
 
     with tqdm(total=sum(map(len, chosen.values())), desc="demo", unit="prompt", file=sys.stderr) as progress:

@@ -268,7 +268,7 @@ class SpeculativeDecoding:
             max_drafts = torch.clamp(max_drafts, max=self._room() - 1)
         anchors = self.sequences[rows, self.lengths[rows] - 1]
         if self.planner is not None:
-            max_drafts = torch.minimum(max_drafts, self.planner.plan(rows.tolist(), max_drafts))
+            max_drafts = self.planner.plan(rows.tolist(), max_drafts)  # within each row's budget
         if self.planner is not None and not bool(max_drafts.gt(0).any()):
             # a plain step: the drafter does not run, and its context waits for the next draft
             drafts = generator.skip(anchors)

@@ -123,11 +123,11 @@ class VerificationPlanner:
         own_s, own_t = self.successes[index], self.trials[index]
         return ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
 
-    def expected_committed(self, rows: list[int], width: int) -> float:
-        """Expected tokens the step commits over ``rows`` at ``width``: ``sum_b (1 + p_b + ... + p_b^(width-1))``."""
-        p = self.acceptance(rows)
-        powers = p[:, None] ** torch.arange(width, dtype=torch.float64)
-        return float(powers.sum())
+    def expected_committed(self, rows: list[int], max_width: int) -> list[float]:
+        """Expected tokens a step commits over ``rows`` at each width ``1 .. max_width`` (entry ``w - 1``):
+        ``sum_b (1 + p_b + ... + p_b^(w-1))``."""
+        powers = self.acceptance(rows)[:, None] ** torch.arange(max_width, dtype=torch.float64)
+        return powers.sum(0).cumsum(0).tolist()
 
     def plan(self, rows: list[int], max_drafts: torch.LongTensor) -> torch.LongTensor:
         """Drafts each active row verifies in the next step, ``[R]``, at most ``max_drafts [R]`` (a row's token
@@ -146,15 +146,15 @@ class VerificationPlanner:
         elif full is None:
             width, self._probing = min(max_width, PROBE_WIDTH), True  # no drafted step measured yet: probe
         else:
-            rates = {1: count / plain}
-            for width in range(2, max_width + 1):
-                rates[width] = self.expected_committed(rows, width) / table.cost(count, width)
+            committed = self.expected_committed(rows, max_width)
+            committed[0] = float(count)  # a plain step commits exactly one token per row
+            rates = {width: committed[width - 1] / table.cost(count, width) for width in range(1, max_width + 1)}
             width = max(rates, key=rates.get)
             if width == 1 and self.plain_streak >= table.probe_interval:
                 width, self._probing = min(max_width, PROBE_WIDTH), True
             self.last_prediction = {
                 "predicted_step_s": table.cost(count, width),
-                "predicted_tokens": self.expected_committed(rows, width) if width > 1 else float(count),
+                "predicted_tokens": committed[width - 1],
             }
         return width
 
@@ -170,10 +170,11 @@ class VerificationPlanner:
         self._sync()
         seconds = time.perf_counter() - self._started
         self.table.observe(len(rows), width, seconds)
-        for row, got, out_of in zip(rows, accepted, offered):
-            if out_of > 0:
-                self.successes[row] += got
-                self.trials[row] += got + (1 if got < out_of else 0)
+        index = torch.tensor(rows, dtype=torch.long)
+        got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
+        drafted = out_of > 0  # accepted drafts are successes, a rejection is one failure
+        self.successes.index_add_(0, index, torch.where(drafted, got, 0.0))
+        self.trials.index_add_(0, index, torch.where(drafted, got + (got < out_of).double(), 0.0))
         if width == 1:
             self.plain_streak += 1
         else:
