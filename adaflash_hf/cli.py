@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--json", help="write one JSON record per domain here")
     demo_parser.add_argument(
         "--method",
-        choices=["adaflash_planned", "adaflash_adaptive", "adaflash_fixed", "adaflash_confidence"],
+        choices=["adaflash_planned", "adaflash_adaptive", "adaflash_fixed", "adaflash_confidence", "adaflash_tree"],
         help="the AdaFlash length policy shown against plain generate() (default: adaflash_planned)",
     )
     demo_parser.set_defaults(func=demo)

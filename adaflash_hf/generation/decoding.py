@@ -32,8 +32,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import greedy_acceptance, speculative_sampling
 from .candidate_generator import AdaFlashCandidateGenerator
 from .planner import VerificationPlanner, cost_table
-from .processing import check_processors, process_positions
+from .processing import check_processors, ids_independent, process_positions
 from .stats import CallRecorder
+from .tree import build_trees, tree_attention_mask, walk_trees
 
 COMPACT_FRACTION = 0.5  # compact the target cache once holes exceed this fraction of its columns
 # Cache layers the batched loop may mask, compact, select and rebuild; other kinds are refused at batch > 1.
@@ -132,20 +133,53 @@ def _window(cache) -> int | None:
     return min(windows) if windows else None
 
 
-def _gather_columns(layer, index: torch.LongTensor, valid: torch.Tensor | None = None) -> None:
+def _gather_columns(
+    layer, index: torch.LongTensor, valid: torch.Tensor | None = None, columns: slice | None = None
+) -> None:
     """Keeps columns ``index [B, W]`` of every row of a cache layer (zeros where ``valid`` is False). Keys and values
-    are gathered separately: their head dims may differ (MLA targets such as DeepSeek-V3)."""
+    are gathered separately: their head dims may differ (MLA targets such as DeepSeek-V3). With `columns`, only that
+    span is rearranged (``index`` then counts from its start) and the rest of the layer stays as it is."""
     if not getattr(layer, "is_initialized", False):
         return
     for name in ("keys", "values"):
         states = getattr(layer, name)
-        picked = states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
+        span = states if columns is None else states[:, :, columns]
+        picked = span.gather(2, index[:, None, :, None].expand(-1, span.shape[1], -1, span.shape[-1]))
         if valid is not None:
             picked = picked.masked_fill(~valid[:, None, :, None], 0)
-        setattr(layer, name, picked)
-    if hasattr(layer, "cumulative_length"):
+        if columns is None:
+            setattr(layer, name, picked)
+        else:
+            span.copy_(picked)
+    if columns is None and hasattr(layer, "cumulative_length"):
         # a sliding layer's length bookkeeping sizes the next mask; batched decoding keeps it inside the window
         layer.cumulative_length = index.shape[1]
+
+
+def _tree_budget(generation_config, processors, window) -> int | None:
+    """``GenerationConfig(adaflash_tree_budget=n)``: verify a draft tree of ``n`` tokens (anchor included) per row and
+    step (`tree.py`); ``None`` (the default) verifies the linear block."""
+    budget = getattr(generation_config, "adaflash_tree_budget", None)
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(
+            f"adaflash_tree_budget must be a positive int (tokens verified per row and step, anchor included; 1 is a "
+            f"plain step), got {budget!r}. Drop it to verify the linear block."
+        )
+    dependent = sorted({type(p).__name__ for p in processors if not ids_independent(p)})
+    if dependent:
+        raise ValueError(
+            f"adaflash_tree_budget does not support logits processors that read the ids ({dependent}): each tree node "
+            "has a prefix of its own, and they are called with one prefix per row. Drop adaflash_tree_budget (linear "
+            "verification supports them), or drop those generation settings."
+        )
+    if window is not None:
+        raise NotImplementedError(
+            "adaflash_tree_budget on a sliding-window or chunked-attention target: tree verification passes its own "
+            "4D attention mask, which would replace the window mask. Drop adaflash_tree_budget for this target."
+        )
+    return budget
 
 
 class SpeculativeDecoding:
@@ -207,6 +241,8 @@ class SpeculativeDecoding:
             dtype = next(target.parameters()).dtype
             table = cost_table(target, drafter, input_ids.device, dtype)
             self.planner = VerificationPlanner(table, self.generator.block_size, batch, input_ids.device)
+        self.tree_budget = _tree_budget(generation_config, logits_processor, self.window)
+        self.mask_dtype = next(target.parameters()).dtype
 
     # ------------------------------------------------------------------ loop
 
@@ -278,6 +314,9 @@ class SpeculativeDecoding:
             )
         drafted = self.recorder.clock()
 
+        if self.tree_budget is not None and bool(drafts.num_drafts.gt(0).any()):
+            self._verify_tree(rows, anchors, drafts, start, drafted)
+            return
         width = int(drafts.num_drafts.max()) + 1
         draft_tokens = drafts.tokens[:, : width - 1]
         padded = self._padded_rows()
@@ -314,11 +353,21 @@ class SpeculativeDecoding:
             1, accepted[:, None], following[:, None]
         )
         features = generator.context_features(outputs.hidden_states)
-        row_list, offered, accepted_list = rows.tolist(), drafts.num_drafts.tolist(), accepted.tolist()
+        self._finish_step(
+            rows, committed, accepted, drafts.num_drafts, processed, raw, width, features, start, drafted, verified
+        )
+
+    def _finish_step(
+        self, rows, committed, accepted, offered, processed, raw, width, features, start, drafted, verified, depth=None
+    ):
+        """Commits a verified step and records it (linear and tree verification alike). offered ``[B]``: drafts
+        verified per row; depth ``[B]``: the longest path they allow (``None``: offered, a linear candidate)."""
+        row_list, offered, accepted_list = rows.tolist(), offered.tolist(), accepted.tolist()
         emitted = self.commit(committed, accepted + 1, processed, raw, width, features)
         plan = {}
         if self.planner is not None:
-            step_s = self.planner.observe(row_list, width, accepted_list, offered)
+            # the planner models acceptance along a path: a tree offers it the depth of its deepest node
+            step_s = self.planner.observe(row_list, width, accepted_list, offered if depth is None else depth.tolist())
             plan = {"step_time_s": step_s, **(self.planner.last_prediction or {})}
         self.recorder.add(
             rows=row_list,
@@ -329,6 +378,63 @@ class SpeculativeDecoding:
             draft_time_s=drafted - start,
             target_time_s=verified - drafted,
             **plan,
+        )
+
+    def _verify_tree(self, rows, anchors, drafts, start, drafted):
+        """Tree verification (`tree.py`): one target forward over each row's draft tree, then the accepted path's
+        columns (cache, features, logits) are moved to the front of the step's columns, so that committing them is
+        exactly the linear case."""
+        depth = drafts.num_drafts
+        padded = self._padded_rows()
+        if padded is not None:  # plain decoding only pads a stopped row: it gets no tree, its token is padding
+            depth = depth.masked_fill(padded, 0)
+        tree = build_trees(drafts.logits, depth, self.tree_budget, self.pad_token_id)
+        width = tree.width
+        past = self.cache.get_seq_length()
+        outputs = self.target(
+            input_ids=torch.cat([anchors[:, None], tree.tokens], dim=1),
+            attention_mask=tree_attention_mask(tree, self.cache_mask, past, self.mask_dtype),
+            position_ids=self.next_positions[:, None]
+            + torch.cat([tree.depths.new_zeros(len(rows), 1), tree.depths], 1),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=self.hidden_layers,
+        )
+        verified = self.recorder.clock()
+
+        raw = outputs.logits.float()
+        # ids-independent processors only (checked up front), so no node needs its path as the processors' ids
+        processed, _ = process_positions(
+            self.processors, self.sequences, self.lengths[rows], raw.clone(), tokens=tree.tokens, rows=rows
+        )
+        choices = self.generator.choose(processed.flatten(0, 1)).view(processed.shape[:2])
+        accepted, order, following = walk_trees(tree, choices)
+        if padded is not None:
+            following = following.masked_fill(padded, self.pad_token_id)
+
+        def by_order(values):  # [B, width, ...] in the walk's order: anchor, accepted path, the rest
+            return values.gather(1, order.view(*order.shape, *[1] * (values.dim() - 2)).expand_as(values))
+
+        processed, raw = by_order(processed), by_order(raw)
+        features = by_order(self.generator.context_features(outputs.hidden_states))
+        for layer in self.cache.layers:
+            _gather_columns(layer, order, columns=slice(past, past + width))
+        path = by_order(torch.cat([anchors[:, None], tree.tokens], dim=1))[:, 1:]
+        committed = torch.cat([path, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
+        deepest = (tree.depths * tree.valid).amax(-1) if tree.valid.numel() else tree.num_nodes
+        self._finish_step(
+            rows,
+            committed,
+            accepted,
+            tree.num_nodes,
+            processed,
+            raw,
+            width,
+            features,
+            start,
+            drafted,
+            verified,
+            deepest,
         )
 
     def _limit(self) -> int:

@@ -60,6 +60,11 @@ _STATEFUL = {
 TokenChooser = Callable[[torch.Tensor], torch.LongTensor]
 
 
+def ids_independent(processor) -> bool:
+    """Whether a processor's output depends on the logits only (then all positions are processed in one call)."""
+    return isinstance(processor, _IDS_INDEPENDENT)
+
+
 def token_chooser(do_sample: bool) -> TokenChooser:
     """argmax, or one sample from softmax, of processed logits ``[N, V] -> [N]``."""
     if do_sample:
@@ -97,7 +102,7 @@ def process_positions(
     chosen tokens (``None`` when none were chosen).
     """
     batch, width = logits.shape[:2]
-    if all(isinstance(p, _IDS_INDEPENDENT) for p in processors):
+    if all(ids_independent(p) for p in processors):
         if len(processors):
             flat = logits.view(batch * width, -1)
             logits = processors(sequences[:1].expand(flat.shape[0], -1), flat).view_as(logits)

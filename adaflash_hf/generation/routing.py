@@ -107,7 +107,7 @@ def _assisted_decoding(
     **model_kwargs,
 ):
     if _ours(assistant_model, generation_config) and not _uses_our_loop(generation_config):
-        _check_transformers_loop(input_ids, stopping_criteria)
+        _check_transformers_loop(input_ids, stopping_criteria, generation_config)
     elif _ours(assistant_model, generation_config):
         if synced_gpus:
             raise ValueError("adaflash_hf's decoding loop does not support synced_gpus (FSDP/ZeRO-3 generation).")
@@ -137,8 +137,13 @@ def _assisted_decoding(
     )
 
 
-def _check_transformers_loop(input_ids, stopping_criteria) -> None:
+def _check_transformers_loop(input_ids, stopping_criteria, generation_config) -> None:
     """What transformers' assisted loop, driven by our candidate generator, does not do exactly."""
+    if getattr(generation_config, "adaflash_tree_budget", None) is not None:
+        raise ValueError(
+            "adaflash_tree_budget needs adaflash_hf's loop: transformers' assisted-decoding loop verifies one linear "
+            "candidate per step. Drop adaflash_decoding_loop='transformers', or drop adaflash_tree_budget."
+        )
     if input_ids.shape[0] > 1:
         raise ValueError(
             f"adaflash_decoding_loop='transformers' runs transformers' assisted-decoding loop, which is batch 1; this "

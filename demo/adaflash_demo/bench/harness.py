@@ -30,7 +30,9 @@ METHODS = (
     "adaflash_adaptive",
     "adaflash_confidence",
     "adaflash_planned",
+    "adaflash_tree",
 )
+TREE_BUDGET = 32  # tokens per tree of `adaflash_tree`; `adaflash_tree<N>` (adaflash_tree16, ...) sets another
 BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
 
 
@@ -101,6 +103,16 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
     if method == "native_dflash":
         return {"assistant_model": drafter, "speculation_type": "dflash"}
     policy = method.removeprefix("adaflash_")
+    if policy.startswith("tree"):
+        budget = policy.removeprefix("tree")
+        if budget and not budget.isdigit():
+            raise ValueError(f"unknown method {method!r}: adaflash_tree takes a node budget as adaflash_tree<N>")
+        # the whole block as the tree's depth; the budget bounds its nodes
+        return {
+            "assistant_model": drafter,
+            "adaflash_length_policy": "fixed",
+            "adaflash_tree_budget": int(budget or TREE_BUDGET),
+        }
     return {"assistant_model": drafter, "adaflash_length_policy": policy}
 
 

@@ -1,0 +1,187 @@
+"""Tree verification of block drafts (DDTree, arXiv 2604.12989): verify many continuations in one target forward.
+
+A block drafter's one forward gives a distribution ``q_d`` at every draft depth ``d``, and none of them depends on the
+tokens drafted before it (the block is drafted in parallel). Verifying only the top-1 path throws the rest away. A
+*draft tree* keeps the most probable continuations instead: a node at depth ``d`` with token ``x`` scores
+``sum_{i<=d} log q_i(x_i)`` along its path, and the tree holds the ``budget - 1`` best-scoring nodes (best-first, as
+DDTree builds it: popping a node pushes its first child and its next sibling, so nodes come out in non-increasing
+score and every parent comes before its children). The anchor is the root, so a budget of ``n`` verifies ``n``
+tokens, as a linear candidate of length ``n`` does, and a budget of 1 is a plain decoding step.
+
+The target verifies ``[anchor, nodes...]`` in one forward, each node at position ``anchor + depth`` under a 4D
+attention mask that lets it see the committed cache and its own ancestors only, so each node's logits are exactly the
+target's logits after the node's path.
+
+Why acceptance stays exact (greedy and sampling): at the root, the loop takes the token ``t`` the target chooses from
+its processed logits there (argmax, or one sample); if a child of the root carries ``t``, it moves to that child and
+repeats, otherwise it stops and ``t`` is the step's bonus token. Every token committed is thus the target's own
+choice after exactly the committed prefix: greedy output is plain greedy output, and each sampled token is a fresh
+sample from the target's processed distribution given its prefix, so the joint distribution is plain sampling's.
+The tree only decides how far one forward can go. (This is the recursive rejection sampling of SpecInfer/Sequoia
+for drafts that are deterministic: a candidate ``c`` with draft probability one is accepted with probability
+``p(c)`` and, when rejected, leaves the residual ``p`` with ``c`` removed; trying a node's children in turn accepts
+child ``c`` with probability ``p(c)`` and stops with a token outside the children otherwise, which is exactly what
+"sample from ``p``, descend if it is a child" does.)
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Draft trees of a batch, node ``0`` of each row being its anchor (not stored).
+
+    tokens ``[B, N]``: the token of node ``i + 1`` (padding where not ``valid``).
+    parents ``[B, N]``: the index in ``[0, N]`` of node ``i + 1``'s parent (``0``: the anchor; padding points there).
+    depths ``[B, N]``: node ``i + 1``'s depth (1 for the anchor's children; padding has depth 1).
+    valid ``[B, N]``: real nodes; a row's real nodes come first.
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    valid: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        """Tokens verified per row: the anchor and ``N`` nodes."""
+        return self.tokens.shape[1] + 1
+
+    @property
+    def num_nodes(self) -> torch.LongTensor:
+        return self.valid.sum(-1)
+
+    def ancestry(self) -> torch.Tensor:
+        """``[B, N + 1, N + 1]`` bool: ``[b, i, j]`` is True when node ``j`` is node ``i`` or one of its ancestors
+        (the visibility of a tree attention mask). Parents come before children, so one pass in node order fills it."""
+        batch, width = self.tokens.shape[0], self.width
+        seen = torch.zeros(batch, width, width, dtype=torch.bool, device=self.tokens.device)
+        seen[:, 0, 0] = True
+        rows = torch.arange(batch, device=self.tokens.device)
+        for i in range(1, width):
+            seen[:, i] = seen[rows, self.parents[:, i - 1]]
+            seen[:, i, i] = True
+        return seen
+
+
+def build_trees(logits: torch.Tensor, max_depth: torch.LongTensor, budget: int, pad_token_id: int = 0) -> DraftTree:
+    """Best-first draft trees from the drafter's per-depth logits.
+
+    Args:
+        logits (`torch.Tensor` of shape `(batch_size, depth, vocab_size)`):
+            The drafter's processed logits for draft depths ``1..depth`` (the same processors as the target's).
+        max_depth (`torch.LongTensor` of shape `(batch_size,)`):
+            The deepest node each row may hold (the length policy's drafts, capped by the token budget); ``0`` gives
+            a row no nodes (a plain step for it).
+        budget (`int`):
+            Tokens verified per row, anchor included: each row holds at most ``budget - 1`` nodes.
+        pad_token_id (`int`):
+            The token padding nodes carry (they are masked; any id works).
+    """
+    batch = logits.shape[0]
+    nodes = budget - 1
+    depth_cap = max_depth.clamp(max=logits.shape[1]).tolist()
+    per_depth = min(nodes, logits.shape[-1])
+    if nodes <= 0 or max(depth_cap, default=0) <= 0:
+        empty = logits.new_zeros((batch, 0), dtype=torch.long)
+        return DraftTree(empty, empty, empty, empty.bool())
+    # a node's children at depth d are the top tokens of q_d in order; no tree uses more than `nodes` of them
+    scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(per_depth, dim=-1)
+    scores, ids = scores.tolist(), ids.tolist()
+    trees = [_best_first(scores[b], ids[b], depth_cap[b], nodes) for b in range(batch)]
+    size = max(len(tree) for tree in trees)
+    tokens = torch.full((batch, size), pad_token_id, dtype=torch.long)
+    parents = torch.zeros(batch, size, dtype=torch.long)
+    depths = torch.ones(batch, size, dtype=torch.long)
+    valid = torch.zeros(batch, size, dtype=torch.bool)
+    for b, tree in enumerate(trees):
+        if tree:
+            tokens[b, : len(tree)], parents[b, : len(tree)], depths[b, : len(tree)] = torch.tensor(tree).T
+            valid[b, : len(tree)] = True
+    device = logits.device
+    return DraftTree(tokens.to(device), parents.to(device), depths.to(device), valid.to(device))
+
+
+def _best_first(scores: list[list[float]], ids: list[list[int]], max_depth: int, nodes: int) -> list[tuple]:
+    """One row's tree as ``[(token, parent, depth), ...]`` in pop order (parents first).
+
+    A heap entry is a node not yet in the tree: ``(-score, depth, rank, parent)``; `rank` is the token's rank in
+    ``q_depth``. Popping it pushes its first child (rank 0 one level deeper) and its next sibling (rank + 1 under the
+    same parent), the only nodes whose best unexplored score it bounds.
+    """
+    if max_depth <= 0:
+        return []
+    tree: list[tuple] = []
+    heap = [(-scores[0][0], 1, 0, 0)]
+    width = len(ids[0])
+    while heap and len(tree) < nodes:
+        negative, depth, rank, parent = heapq.heappop(heap)
+        tree.append((ids[depth - 1][rank], parent, depth))
+        index = len(tree)  # this node's index (0 is the anchor)
+        if depth < max_depth:
+            heapq.heappush(heap, (negative - scores[depth][0], depth + 1, 0, index))
+        if rank + 1 < width and scores[depth - 1][rank + 1] > float("-inf"):  # a banned token is never drafted
+            sibling = negative + scores[depth - 1][rank] - scores[depth - 1][rank + 1]
+            heapq.heappush(heap, (sibling, depth, rank + 1, parent))
+    return tree
+
+
+def tree_attention_mask(
+    tree: DraftTree, past: torch.Tensor | None, past_length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``[B, 1, N + 1, past_length + N + 1]`` additive mask of one tree verification.
+
+    Each verified token sees the cache columns ``past`` marks valid (``[B, past_length]`` bool, ``None``: all) and
+    its own ancestors and itself. Additive (0 or the dtype's minimum), since eager attention adds the mask to the
+    scores while SDPA takes either form; transformers passes a 4D mask through unchanged.
+    """
+    seen = tree.ancestry()
+    batch, width = seen.shape[:2]
+    seen[:, :, 1:] &= tree.valid[
+        :, None, :
+    ]  # padding nodes are nobody's ancestor (they see the anchor and themselves)
+    if past is None:
+        past = torch.ones(batch, past_length, dtype=torch.bool, device=seen.device)
+    visible = torch.cat([past[:, None, :].expand(-1, width, -1), seen], dim=-1)
+    return torch.zeros(visible.shape, dtype=dtype, device=seen.device).masked_fill(~visible, torch.finfo(dtype).min)[
+        :, None
+    ]
+
+
+def walk_trees(
+    tree: DraftTree, choices: torch.LongTensor
+) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+    """Follows the target's choices down each row's tree.
+
+    choices ``[B, N + 1]``: the target's token at every verified position (argmax or one sample of its processed
+    distribution there). Returns ``(accepted [B], order [B, N + 1], following [B])``: the number of nodes on the
+    accepted path, the verified positions reordered as anchor, accepted path, then the rest (so the accepted
+    prefix of the reorder is what a linear verification would have committed), and the bonus token.
+    """
+    batch, width = choices.shape
+    choice_list = choices.tolist()
+    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    accepted, orders, following = [], [], []
+    for b in range(batch):
+        children = {
+            (parents[b][i], tokens[b][i]): i + 1 for i in range(width - 1) if valid[b][i]
+        }  # tokens are unique among siblings: each comes from a different rank of one distribution
+        path, node = [], 0
+        while (child := children.get((node, choice_list[b][node]))) is not None:
+            path.append(child)
+            node = child
+        on_path = set(path)
+        accepted.append(len(path))
+        following.append(choice_list[b][node])
+        orders.append([0, *path, *(i for i in range(1, width) if i not in on_path)])
+    device = choices.device
+    return (
+        torch.tensor(accepted, device=device),
+        torch.tensor(orders, device=device),
+        torch.tensor(following, device=device),
+    )
