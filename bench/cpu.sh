@@ -10,5 +10,5 @@ mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
 "${PYTHON:-python}" -m adaflash_demo.bench.cost_model --json "$out/smollm2_cost_model.json" | tee "$out/smollm2_cost_model.log"
 "${PYTHON:-python}" -m adaflash_hf.cli bench --dtype float32 --batch-sizes 1 --prompts-per-domain "${PROMPTS:-16}" \
-    --max-new-tokens 128 --methods plain,prompt_lookup,native_dflash,adaflash_fixed,adaflash_adaptive,adaflash_confidence,adaflash_planned \
+    --max-new-tokens 128 --methods plain,prompt_lookup,native_dflash,adaflash_fixed,adaflash_adaptive,adaflash_confidence,adaflash_planned,adaflash_tree \
     --json "$out/smollm2_fp32.json" --markdown "$out/smollm2_fp32.md"

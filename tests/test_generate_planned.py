@@ -110,6 +110,25 @@ def test_context_queued_across_plain_steps_drafts_as_if_fed_step_by_step():
     assert torch.equal(drafts([(0, 6), (6, 7), (7, 8), (8, 9)]), drafts([(0, 9)]))
 
 
+def test_the_draft_head_projects_only_the_positions_a_row_can_verify(monkeypatch):
+    """The LM head over the vocabulary is most of a draft's cost: a step that verifies 3 drafts projects 3."""
+    from adaflash_hf.generation.draft_head import DraftHead
+
+    projected = []
+    real = DraftHead.__call__
+    monkeypatch.setattr(
+        DraftHead, "__call__", lambda self, hidden: projected.append(hidden.shape[1]) or real(self, hidden)
+    )
+    target = tiny_target()
+    prompts = PROMPTS[:3]
+    ids, mask = left_pad(prompts)
+    _forced(monkeypatch, lambda step, rows, cap: [3 if row else 1 for row in rows])
+    out, stats = _generate(target, tiny_drafter(target), ids, mask, None)
+    assert max(projected) == 3 and len(projected) == sum(s.verify_width > 1 for s in stats.steps)  # budget cuts
+    for got, prompt in zip(rows_of(out, prompts), prompts):
+        assert got == alone(target, prompt, max_new_tokens=30, eos_token_id=None)
+
+
 def test_planned_sampling_matches_the_processed_distribution(monkeypatch):
     target = tiny_target(vocab_size=12, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=11)

@@ -33,10 +33,11 @@ from .processing import process_positions, token_chooser
 class Drafts:
     """One drafted block per row.
 
-    tokens ``[B, block_size - 1]``: drafts (samples from `probs` when sampling, else argmax).
-    logits ``[B, block_size - 1, V]``: processed drafter logits (float32).
-    probs ``[B, block_size - 1, V]``: softmax of `logits` when sampling, else ``None``.
-    num_drafts ``[B]``: drafts to verify (candidate length - 1, capped by the token budget).
+    tokens ``[B, D]``: drafts (samples from `probs` when sampling, else argmax), ``D <= block_size - 1``: the
+    positions some row may verify (all of them for the `confidence` policy).
+    logits ``[B, D, V]``: processed drafter logits (float32).
+    probs ``[B, D, V]``: softmax of `logits` when sampling, else ``None``.
+    num_drafts ``[B]``: drafts to verify (candidate length - 1, capped by the token budget), at most ``D``.
     """
 
     tokens: torch.LongTensor
@@ -210,7 +211,18 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
         self.cache_mask = context_mask
 
-        logits = self.draft_head(out.last_hidden_state[:, 1:]).to(anchors.device)
+        hidden = out.last_hidden_state[:, 1:]
+        length_prediction = None if out.length_prediction is None else out.length_prediction[:, 0]
+        max_drafts = max_drafts.clamp(min=0)
+        if not self.policy.needs_confidence:
+            # The LM head over the whole vocabulary is most of a draft's cost, and every policy but `confidence`
+            # (which reads the drafts' probabilities) knows its lengths before it: project only the positions some
+            # row can verify (at least one, so every shape stays non-empty).
+            verifiable = self.policy.candidate_lengths(
+                self.block_size, batch, length_prediction=length_prediction, device=anchors.device
+            )
+            hidden = hidden[:, : max(int(torch.minimum(verifiable - 1, max_drafts).max()), 1)]
+        logits = self.draft_head(hidden).to(anchors.device)
         logits, tokens = process_positions(
             self.logits_processor, sequences, lengths, logits, choose=self.choose, rows=rows
         )
@@ -218,11 +230,11 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         candidate_lengths = self.policy.candidate_lengths(
             self.block_size,
             batch,
-            length_prediction=None if out.length_prediction is None else out.length_prediction[:, 0],
+            length_prediction=length_prediction,
             draft_confidence=probs.amax(-1) if self.policy.needs_confidence else None,
             device=anchors.device,
         )
-        num_drafts = torch.minimum(candidate_lengths - 1, max_drafts.clamp(min=0))
+        num_drafts = torch.minimum(candidate_lengths - 1, max_drafts)
         return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts)
 
     def _adapter_kwargs(self, batch: int) -> dict:
