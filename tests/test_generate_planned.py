@@ -169,6 +169,8 @@ def test_costs_interpolate_between_measured_widths_and_unknown_batches_are_measu
     assert table.cost(4, 16) == pytest.approx(5.5)  # along the last two measured widths
     assert table.cost(5, 6) == pytest.approx(3.0)  # an unmeasured row count borrows the nearest measured one's
     assert CostTable(step_s={(4, 1): 1.0}).cost(4, 6) is None  # nothing drafted measured yet
+    probed = CostTable(step_s={(4, 1): 1.0, (4, 4): 2.0})  # only a probe's width: wider costs in proportion
+    assert probed.cost(4, 16) == pytest.approx(8.0) and probed.cost(4, 2) == pytest.approx(2.0)
     planner = VerificationPlanner(CostTable(), block_size=16, batch_size=8, device=torch.device("cpu"))
     assert planner.width(list(range(8)), 16) == 1  # a plain step first: everything is compared with it
     planner.begin()

@@ -7,7 +7,8 @@ decoding step. Both sides are measured, never assumed:
 * **cost**: the wall time of whole loop steps, per number of active rows ``R`` and verify width ``w`` (the anchor
   plus ``w - 1`` drafts): ``S(R, 1)`` is a plain step (no drafter forward at all), ``S(R, w)`` a drafted one. Each is
   an exponential moving average of the loop's own steps; an unmeasured width is interpolated linearly between the
-  measured widths of the same ``R`` (and extrapolated along the last two), and an unmeasured ``R`` borrows the
+  measured widths of the same ``R`` (and extrapolated along the last two; with one drafted width measured, a wider
+  one costs in proportion to its width, an upper bound), and an unmeasured ``R`` borrows the
   nearest measured one's costs (rows leave a batch one by one as they finish). The table lives in the process, per
   (target, drafter, device, dtype), so a later ``generate()`` call starts from what earlier ones measured.
 * **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
@@ -68,8 +69,14 @@ class CostTable:
             return None
         rows = min(kind, key=lambda r: (abs(r - rows), r))
         measured = dict(sorted((w, s) for (r, w), s in self.step_s.items() if r == rows and (w > 1) == (width > 1)))
-        if width in measured or len(measured) == 1:
-            return measured.get(width, next(iter(measured.values())))
+        if width in measured:
+            return measured[width]
+        if len(measured) == 1:
+            # One drafted width measured (a probe's): a wider step is assumed to cost in proportion to its tokens, an
+            # upper bound for a forward whose cost grows sublinearly with width, so a wide step is chosen only if it
+            # pays even then; once run, it is measured. A narrower one is assumed to cost as much as the probe.
+            ((measured_width, seconds),) = measured.items()
+            return seconds * max(1.0, width / measured_width)
         widths = list(measured)
         below, above = [w for w in widths if w < width], [w for w in widths if w > width]
         if below and above:
