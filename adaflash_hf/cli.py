@@ -220,6 +220,11 @@ def _stream(args) -> tuple[list[str], list[str | None]]:
         missing = [i for i, row in enumerate(rows) if "prompt" not in row]
         if missing:
             sys.exit(f"{args.prompts}: line {missing[0] + 1} has no `prompt` field (rows: prompt, optional domain)")
+    elif args.target is None and args.world == "smollm2":
+        try:
+            rows = demo_package("online", "demo").stream_prompts(args.domain)
+        except (ValueError, FileNotFoundError) as error:
+            sys.exit(str(error))
     else:
         world = demo_package("online", "world")
         names = [*world.DOMAINS, world.UNSEEN_DOMAIN] if args.domain == "all" else [args.domain]
@@ -227,6 +232,19 @@ def _stream(args) -> tuple[list[str], list[str | None]]:
         rows = [row for group in zip(*streams) for row in group]  # round-robin: a mixed-domain stream
     rows = rows[: args.num_requests]
     return [row["prompt"] for row in rows], [row.get("domain") for row in rows]
+
+
+def _as_requests(tokenizer, texts: list[str]) -> list[str]:
+    """Stream prompts as the target reads them: through its chat template when it has one (the real target; a
+    --target with a template), as they are otherwise (the toy world's plain-text streams)."""
+    if tokenizer.chat_template is None:
+        return texts
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        for t in texts
+    ]
 
 
 def online(args) -> int:
@@ -246,6 +264,7 @@ def online(args) -> int:
         )
     target, tokenizer, drafter, _, _ = load_models(args)
     texts, domains = _stream(args)
+    texts = _as_requests(tokenizer, texts)
     training_args = OPDConfig(
         output_dir=str(root / ".runs"),
         per_device_train_batch_size=args.train_batch_size,
@@ -366,10 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--domain",
         default="changelog",
-        help="demo-world stream: changelog (unseen in training, default), code, prose, man, math, or all (mixed)",
+        help="the world's stream: changelog (unseen in training, default), a trained domain (smollm2: code, docs, "
+        "shell, math, their held-out prompts; toy: code, prose, man, math), or all (mixed)",
     )
     online_parser.add_argument("--num-requests", type=int, default=256)
-    online_parser.set_defaults(world="toy")  # its streams are the toy world's until the real target has its own
     online_parser.add_argument("--serve-batch-size", type=int, default=1, help="prompts per generate() call")
     online_parser.add_argument("--mode", default="drafter", choices=["drafter", "domain_adapters"])
     online_parser.add_argument("--swap-dir", default="runs/online", help="buffer, versions and metrics.jsonl")

@@ -1,5 +1,6 @@
 """The `adaflash` command end to end: on the toy world (fast), and `adaflash demo` on the real target."""
 
+import argparse
 import json
 import sys
 
@@ -92,7 +93,7 @@ def test_bench_serves_a_prompt_file_in_batches_per_domain(tmp_path):
 
 def test_online_adapts_on_the_unseen_stream_and_compares_with_the_baseline(tmp_path, capsys):
     swap, summary, plot = tmp_path / "swap", tmp_path / "summary.json", tmp_path / "online.png"
-    args = ["online", "--num-requests", "8", "--train-threshold", "4", "--max-new-tokens", "20"]
+    args = ["online", "--world", "toy", "--num-requests", "8", "--train-threshold", "4", "--max-new-tokens", "20"]
     args += ["--train-batch-size", "4", "--buffer-epochs", "1", "--num-anchors", "4", "--compare"]
     args += ["--swap-dir", str(swap), "--json", str(summary), "--plot", str(plot)]
     assert main(args) == 0
@@ -115,13 +116,36 @@ def test_online_serves_a_prompt_file_and_names_a_bad_line(tmp_path, capsys):
     rows = [{"prompt": row["prompt"], "domain": "custom"} for row in load_stream("man")[:3]]
     stream = tmp_path / "stream.jsonl"
     stream.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = ["online", "--prompts", str(stream), "--max-new-tokens", "8", "--swap-dir", str(tmp_path / "a")]
+    args = ["online", "--world", "toy", "--prompts", str(stream), "--max-new-tokens", "8"]
+    args += ["--swap-dir", str(tmp_path / "a")]
     assert main(args) == 0
     assert "| custom |" in capsys.readouterr().out
 
     stream.write_text(json.dumps({"text": "no prompt field"}) + "\n")
     with pytest.raises(SystemExit, match="line 1 has no `prompt` field"):
-        main(["online", "--prompts", str(stream), "--swap-dir", str(tmp_path / "b")])
+        main(["online", "--world", "toy", "--prompts", str(stream), "--swap-dir", str(tmp_path / "b")])
+
+
+def test_the_real_targets_stream_is_its_unseen_domain_through_the_chat_template():
+    from synthetic import synthetic_tokenizer
+
+    from adaflash_demo.demo import stream_prompts
+    from adaflash_hf import cli
+
+    args = argparse.Namespace(prompts=None, target=None, world="smollm2", domain="changelog", num_requests=300)
+    texts, domains = cli._stream(args)
+    assert len(texts) == 256 and set(domains) == {"changelog"}  # the shipped stream, not the toy world's
+    heldout = {row["prompt"] for row in stream_prompts("code")}
+    assert len(heldout) == 32 and not heldout & set(texts)
+    mixed = stream_prompts("all")
+    assert [row["domain"] for row in mixed[:5]] == ["code", "docs", "shell", "math", "changelog"]
+    with pytest.raises(SystemExit, match="unknown domain 'prose'"):
+        cli._stream(argparse.Namespace(**{**vars(args), "domain": "prose"}))
+    tokenizer = synthetic_tokenizer()
+    tokenizer.chat_template = None
+    assert cli._as_requests(tokenizer, ["a b"]) == ["a b"]  # no template: as it is (the toy world)
+    tokenizer.chat_template = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}<assistant>"
+    assert cli._as_requests(tokenizer, ["a b"]) == ["<user>a b<assistant>"]
 
 
 def test_plot_without_matplotlib_names_the_extra_before_serving(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ drafter. ``--prompts FILE.jsonl`` serves the user's own prompts instead: one JSO
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,24 @@ def shipped_prompts(per_domain: int, data_dir: Path = DRAFTER_DIR) -> dict[str, 
         prompts[domain] = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
         prompts[domain] = prompts[domain][: min(per_domain, EVALUATION_PROMPTS)]
     return prompts
+
+
+def stream_prompts(domain: str, data_dir: Path = DRAFTER_DIR) -> list[dict]:
+    """The online-adaptation stream of the real target: ``{"prompt", "domain"}`` rows of the shipped changelog stream
+    (256 prompts of the unseen domain, disjoint from its held-out ones) for ``changelog``, the held-out prompts for a
+    trained domain, and all of them interleaved for ``all``."""
+    if domain == "all":
+        streams = [stream_prompts(name, data_dir) for name in DOMAINS]
+        return [row for group in itertools.zip_longest(*streams) for row in group if row is not None]
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}: the real target's domains are {', '.join(DOMAINS)}, or all")
+    prompts = Path(data_dir) / "prompts"
+    path = prompts / f"{domain}.stream.jsonl"
+    path = path if path.exists() else prompts / f"{domain}.heldout.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall the demo package (`pip install ./demo`).")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{"prompt": row["prompt"], "domain": domain} for row in rows]
 
 
 def read_prompt_file(path: str | Path) -> dict[str, list[str]]:
