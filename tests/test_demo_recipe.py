@@ -86,6 +86,14 @@ def test_split_is_by_document_and_recorded(domain):
     assert {row["split"] for row in rows["train"]} == {"train"} and {r["domain"] for r in rows["heldout"]} == {domain}
 
 
+def test_a_named_run_shares_the_builds_data_and_keeps_its_own_outputs(tmp_path):
+    main = recipe.Layout(recipe.RecipeConfig(work_dir=str(tmp_path)))
+    run = recipe.Layout(recipe.RecipeConfig(work_dir=str(tmp_path), run_name="loss-ce"))
+    assert (run.prompts, run.answers, run.features) == (main.prompts, main.answers, main.features)
+    assert run.trainer.name == "trainer-loss-ce" and run.drafter.name == "drafter-loss-ce"
+    assert run.evaluation.name == "evaluation-loss-ce.json" and main.drafter.name == "drafter"
+
+
 def test_training_prompts_interleave_the_domains(tmp_path):
     layout = recipe.Layout(recipe.RecipeConfig(work_dir=str(tmp_path)))
     layout.prompts.mkdir(parents=True)

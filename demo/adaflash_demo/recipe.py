@@ -45,6 +45,13 @@ class RecipeConfig:
     ship_dir: str = field(default="demo/adaflash_demo/data/smollm2-drafter", metadata={"help": "Shipped artifact."})
     stages: list[str] = field(default_factory=lambda: list(STAGES), metadata={"help": "Stages to run, in order."})
     seed: int = field(default=0, metadata={"help": "Seeds prompts, drafter initialisation and anchor sampling."})
+    run_name: str = field(
+        default="",
+        metadata={
+            "help": "Names this run's trainer, drafter and evaluation outputs (trainer-<name>, ...) so that several "
+            "runs (a loss comparison) share one build's prompts, answers and features; empty: the main build."
+        },
+    )
 
     # Prompts
     train_per_domain: int = field(default=700, metadata={"help": "Training prompts per trained domain."})
@@ -125,9 +132,10 @@ class Layout:
         self.prompts = root / "prompts"
         self.answers = root / "answers"
         self.features = root / "features"
-        self.trainer = root / "trainer"
-        self.drafter = root / "drafter"
-        self.evaluation = root / "evaluation.json"
+        run = f"-{config.run_name}" if config.run_name else ""
+        self.trainer = root / f"trainer{run}"
+        self.drafter = root / f"drafter{run}"
+        self.evaluation = root / f"evaluation{run}.json"
 
 
 # ------------------------------------------------------------------------------------------------ prompts
