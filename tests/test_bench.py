@@ -36,6 +36,9 @@ def test_harness_records_every_usable_method(word_tokenizer):
     assert plain.speedup == 1.0 and abs(plain.mean_acceptance_length - 1.0) < 1e-9
     fixed = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 1)
     assert fixed.verified_per_emitted > 2  # a random drafter: 8 tokens verified per step, ~1 emitted
+    assert fixed.padding_fraction == 0.0 and math.isnan(plain.padding_fraction)  # one row pads nothing
+    adaptive = [r for r in records if r.method == "adaflash_adaptive" and r.batch_size == 2]
+    assert all(0.0 <= r.padding_fraction < 1.0 for r in adaptive)
 
 
 def test_report_table_and_plots(tmp_path, word_tokenizer):
@@ -58,7 +61,7 @@ def test_report_table_and_plots(tmp_path, word_tokenizer):
     summary = summary_tables(records).splitlines()
     assert summary[0] == "| method | x | mean speedup |" and summary[3].startswith("| plain | ")
     fixed_at_two = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 2)
-    expected = f"| 2 | adaflash_fixed | {fixed_at_two.tokens_per_s:.0f} | {fixed_at_two.speedup:.2f}x |"
+    expected = f"| 2 | adaflash_fixed | {fixed_at_two.tokens_per_s:.1f} | {fixed_at_two.speedup:.2f}x |"
     assert any(line.startswith(expected) for line in summary)
     paths = plot_records(records, tmp_path)
     assert [p.name for p in paths] == ["acceptance_per_domain.png", "throughput_vs_batch.png"]

@@ -6,7 +6,9 @@ Each method is a way to call ``target.generate``; all are measured by the same i
 * a forward pre-hook on the target counting its verification forwards and the tokens they process (padding
   included, because padding costs compute), giving the mean acceptance length (tokens committed per target forward
   after the prefill) and the processed tokens per emitted token;
-* the outputs compared with plain greedy generation row by row (fp32 is exact; other dtypes are reported as they are).
+* the outputs compared with plain greedy generation row by row (fp32 is exact; other dtypes are reported as they are);
+* for our loop, `adaflash_hf.record_stats()`: the share of verified positions that are padding (rows padded to the
+  widest row of a step), which the forward counter cannot tell from real drafts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import GenerationConfig
 
+from adaflash_hf.generation.stats import record_stats
 from adaflash_hf.training.rollouts import cut_after_eos
 
 METHODS = (
@@ -49,6 +52,7 @@ class BenchRecord:
     identical_fraction: float
     emitted_tokens: int
     seconds: float
+    padding_fraction: float = float("nan")  # verified positions of our loop that were padding (nan: not our loop)
 
 
 @dataclass
@@ -59,6 +63,8 @@ class _Tally:
     processed: int = 0
     identical: int = 0
     rows: int = 0
+    real_verified: int = 0  # our loop: tokens rows really verified (anchor + drafts, or tree nodes)
+    padded_verified: int = 0  # our loop: rows x width over its steps
 
 
 class ForwardCounter:
@@ -191,6 +197,9 @@ def run_benchmark(
                         else float("nan"),
                         emitted_tokens=tally.tokens,
                         seconds=tally.seconds,
+                        padding_fraction=1 - tally.real_verified / tally.padded_verified
+                        if tally.padded_verified
+                        else float("nan"),
                     )
                 )
     return records
@@ -213,12 +222,17 @@ def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, c
     if missing:
         raise RuntimeError(f"GenerationConfig dropped {sorted(missing)}; the method would not run as named")
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    with counter.counting():
+    ours = method.startswith("adaflash_")
+    with counter.counting(), record_stats() if ours else contextlib.nullcontext() as stats:
         sync()
         start = time.perf_counter()
         out = target.generate(**inputs, generation_config=config, **kwargs)
         sync()
         tally.seconds += time.perf_counter() - start
+    if ours:
+        for step in stats.steps:
+            tally.real_verified += sum(step.candidate_lengths)
+            tally.padded_verified += len(step.rows) * step.verify_width
     tally.row_forwards += counter.row_forwards
     tally.processed += counter.processed_tokens
     rows = [cut_after_eos(row, config) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]

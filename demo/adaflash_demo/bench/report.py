@@ -15,6 +15,7 @@ COLUMNS = (
     "mean_acceptance_length",
     "verified_per_emitted",
     "identical_fraction",
+    "padding_fraction",
 )
 
 
@@ -47,22 +48,24 @@ def summary_tables(records) -> str:
         sweep[(r.batch_size, r.method)].append(r)
     lines += [
         "",
-        "| batch | method | tokens/s | speedup vs plain | acceptance length | verified tokens per emitted token |",
-        "|---|---|---|---|---|---|",
+        "| batch | method | tokens/s | speedup vs plain | acceptance length | verified tokens per emitted token | "
+        "padding share of verified |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (batch, method), group in sorted(sweep.items()):
         if batch == 1 and method not in ("plain", "adaflash_fixed", "adaflash_adaptive", "adaflash_planned"):
             continue
-        mean = {c: sum(getattr(r, c) for r in group) / len(group) for c in COLUMNS[4:8]}
+        mean = {c: sum(getattr(r, c) for r in group) / len(group) for c in (*COLUMNS[4:8], "padding_fraction")}
+        padding = "-" if mean["padding_fraction"] != mean["padding_fraction"] else f"{mean['padding_fraction']:.2f}"
         lines.append(
-            f"| {batch} | {method} | {mean['tokens_per_s']:.0f} | {mean['speedup']:.2f}x | "
-            f"{mean['mean_acceptance_length']:.2f} | {mean['verified_per_emitted']:.2f} |"
+            f"| {batch} | {method} | {mean['tokens_per_s']:.1f} | {mean['speedup']:.2f}x | "
+            f"{mean['mean_acceptance_length']:.2f} | {mean['verified_per_emitted']:.2f} | {padding} |"
         )
     return "\n".join(lines)
 
 
 def _batch_one_cell(record) -> str:
-    return f"{record.tokens_per_s:.0f} / {record.speedup:.2f}x / {record.mean_acceptance_length:.2f}"
+    return f"{record.tokens_per_s:.1f} / {record.speedup:.2f}x / {record.mean_acceptance_length:.2f}"
 
 
 def plot_records(records, folder) -> list[Path]:
