@@ -163,10 +163,22 @@ def test_it_drafts_where_speculation_pays_and_steps_plainly_where_it_cannot():
     assert planner.acceptance([1])[0] < 0.1 < 0.8 < planner.acceptance([0])[0]
 
 
+def test_wider_widths_are_measured_one_at_a_time_while_drafting_wins():
+    # only the probe's width measured: wider ones are costed in proportion (an upper bound) and would never run
+    planner = _planner({(1, 1): 1.0, (1, 2): 1.1}, acceptance=0.6)
+    assert planner.width([0], 16) == 3  # width 2 wins, so width 3 runs once and is measured
+    planner.table.observe(1, 3, 1.15)
+    assert planner.width([0], 16) == 4  # and so on while the measured costs keep paying
+    planner.table.observe(1, 4, 1.2)
+    planner.table.observe(1, 5, 3.0)  # too expensive: measured, so no more exploring
+    assert planner.width([0], 16) == 4
+    assert _planner({(1, 1): 1.0, (1, 2): 1.1}, acceptance=0.05).width([0], 16) == 1  # nothing to explore
+
+
 def test_costs_interpolate_between_measured_widths_and_unknown_batches_are_measured_first():
     table = CostTable(step_s={(4, 1): 1.0, (4, 2): 2.0, (4, 10): 4.0})
     assert table.cost(4, 6) == pytest.approx(3.0)
-    assert table.cost(4, 16) == pytest.approx(5.5)  # along the last two measured widths
+    assert table.cost(4, 16) == pytest.approx(6.4)  # beyond the widest: in proportion to width, an upper bound
     assert table.cost(5, 6) == pytest.approx(3.0)  # an unmeasured row count borrows the nearest measured one's
     assert CostTable(step_s={(4, 1): 1.0}).cost(4, 6) is None  # nothing drafted measured yet
     probed = CostTable(step_s={(4, 1): 1.0, (4, 4): 2.0})  # only a probe's width: wider costs in proportion

@@ -7,8 +7,8 @@ decoding step. Both sides are measured, never assumed:
 * **cost**: the wall time of whole loop steps, per number of active rows ``R`` and verify width ``w`` (the anchor
   plus ``w - 1`` drafts): ``S(R, 1)`` is a plain step (no drafter forward at all), ``S(R, w)`` a drafted one. Each is
   an exponential moving average of the loop's own steps; an unmeasured width is interpolated linearly between the
-  measured widths of the same ``R`` (and extrapolated along the last two; with one drafted width measured, a wider
-  one costs in proportion to its width, an upper bound), and an unmeasured ``R`` borrows the
+  measured widths of the same ``R``, and bounded from above outside them (wider than the widest: in proportion to
+  width; narrower than the narrowest: its cost), and an unmeasured ``R`` borrows the
   nearest measured one's costs (rows leave a batch one by one as they finish). The table lives in the process, per
   (target, drafter, device, dtype), so a later ``generate()`` call starts from what earlier ones measured.
 * **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
@@ -18,10 +18,11 @@ decoding step. Both sides are measured, never assumed:
 
 The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / S(R, w)``; ``w = 1`` is a plain
 step. Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer
-drafts would save nothing. While plain steps win, no acceptance is observed; a probe (a step of `PROBE_WIDTH`
-tokens: enough to observe acceptance, far cheaper than a whole block) is forced after ``probe_interval`` plain
-steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice, so
-probing costs a few percent at most when speculation cannot pay.
+drafts would save nothing. Wider widths are measured one at a time: when a drafted width wins and the next one was
+never measured, the step runs at that next width instead (once per width, pair and process). While plain steps win,
+no acceptance is observed; a probe (a step of `PROBE_WIDTH` tokens: one draft per row, enough to observe acceptance)
+is forced after ``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the
+probe did not change the choice, so probing costs a few percent at most when speculation cannot pay.
 
 The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact.
 """
@@ -38,9 +39,10 @@ EMA = 0.3  # weight of a new timing in the moving averages
 PRIOR_ACCEPTANCE = 0.5  # per-draft acceptance assumed before anything was observed
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the pooled estimate when a row's own are few
 FIRST_PROBE_INTERVAL = 4
-# A probe only has to observe acceptance: a few drafts do, at a fraction of a whole block's verification cost (a
-# 16-token block costs about 5 plain steps at batch 16 on a CPU, 4 tokens about 2.4).
-PROBE_WIDTH = 4
+# A probe only has to observe acceptance: one draft per row does, at a fraction of a whole block's verification cost
+# (a 16-token block costs about 5 plain steps at batch 16 on a CPU, 2 tokens about 1.4), and it measures the cheapest
+# drafted width, from which wider ones are explored one at a time (`width`).
+PROBE_WIDTH = 2
 MAX_PROBE_INTERVAL = 256
 
 
@@ -57,6 +59,10 @@ class CostTable:
         old = self.step_s.get(key)
         self.step_s[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
+    def measured(self, width: int) -> bool:
+        """Whether a step of this width was measured at any row count."""
+        return any(w == width for _, w in self.step_s)
+
     def cost(self, rows: int, width: int) -> float | None:
         """Seconds of a step of ``rows`` rows at ``width``; ``None`` when no step at a drafted (``width > 1``) or
         plain (``width == 1``) width was measured at all. A row count without a measurement of that kind borrows
@@ -71,22 +77,19 @@ class CostTable:
         measured = dict(sorted((w, s) for (r, w), s in self.step_s.items() if r == rows and (w > 1) == (width > 1)))
         if width in measured:
             return measured[width]
-        if len(measured) == 1:
-            # One drafted width measured (a probe's): a wider step is assumed to cost in proportion to its tokens, an
-            # upper bound for a forward whose cost grows sublinearly with width, so a wide step is chosen only if it
-            # pays even then; once run, it is measured. A narrower one is assumed to cost as much as the probe.
-            ((measured_width, seconds),) = measured.items()
-            return seconds * max(1.0, width / measured_width)
         widths = list(measured)
         below, above = [w for w in widths if w < width], [w for w in widths if w > width]
-        if below and above:
+        if below and above:  # between two measured widths: linear
             w0, w1 = below[-1], above[0]
-        elif below:
-            w0, w1 = below[-2], below[-1]
-        else:
-            w0, w1 = above[0], above[1]
-        s0, s1 = measured[w0], measured[w1]
-        return max(s0 + (s1 - s0) * (width - w0) / (w1 - w0), min(s0, s1))
+            s0, s1 = measured[w0], measured[w1]
+            return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
+        # Outside the measured widths, an upper bound, so an unmeasured width is chosen only if it pays even then (and
+        # `VerificationPlanner.width` measures the next width once drafting wins): beyond the widest, cost in
+        # proportion to width (a forward's cost grows sublinearly with width, and a step has fixed costs besides);
+        # below the narrowest, the narrowest's cost.
+        if below:
+            return measured[below[-1]] * width / below[-1]
+        return measured[above[0]]
 
 
 # (target, drafter) -> {(device type, dtype): CostTable}; weak, so tables leave with their models.
@@ -159,6 +162,10 @@ class VerificationPlanner:
             width = max(rates, key=rates.get)
             if width == 1 and self.plain_streak >= table.probe_interval:
                 width, self._probing = min(max_width, PROBE_WIDTH), True
+            elif 1 < width < max_width and not table.measured(width + 1):
+                # The next width is costed by an extrapolation (an upper bound beside a single measured width), so it
+                # could only win once measured: one step there measures it (each width once per pair and process).
+                width += 1
             self.last_prediction = {
                 "predicted_step_s": table.cost(count, width),
                 "predicted_tokens": committed[width - 1],
