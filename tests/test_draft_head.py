@@ -41,39 +41,54 @@ def test_greedy_output_is_identical_with_every_draft_head_dtype(dtype_name, batc
 
 def test_requested_dtype_is_used_and_logits_are_float32():
     head = tiny_target().get_output_embeddings()
-    projector = DraftHead(head, rows=7, dtype_name="bfloat16")
+    projector = DraftHead(head, dtype_name="bfloat16")
     hidden = torch.randn(2, 7, head.weight.shape[1])
     logits = projector(hidden)
     assert projector.dtype == torch.bfloat16 and logits.dtype == torch.float32
     expected = torch.nn.functional.linear(hidden.bfloat16(), head.weight.bfloat16()).float()
     torch.testing.assert_close(logits, expected)
-    assert DraftHead(head, rows=7, dtype_name="same").dtype == torch.float32
+    assert DraftHead(head, dtype_name="same").dtype == torch.float32
 
 
-def test_auto_measures_once_per_head_and_refreshes_the_copy_when_the_weight_changes(monkeypatch):
-    head = tiny_target().get_output_embeddings()
+def _fake_timing(monkeypatch, seconds: dict):
+    """Replaces the clock of "auto"'s trials: each dtype takes ``seconds[dtype]`` per call."""
     calls = []
-    monkeypatch.setattr(
-        draft_head,
-        "_time",
-        lambda weight, hidden: calls.append(weight.dtype) or {torch.float32: 1.0, torch.bfloat16: 0.1}[weight.dtype],
-    )
-    first = DraftHead(head, rows=7)
-    second = DraftHead(head, rows=7)
-    assert first.dtype == second.dtype == torch.bfloat16 and len(calls) == 2  # measured once, both dtypes
+
+    def timed(head, hidden, dtype):
+        calls.append(dtype)
+        return draft_head._project(head, hidden, dtype), seconds[dtype]
+
+    monkeypatch.setattr(draft_head, "_timed", timed)
+    return calls
+
+
+def test_auto_measures_in_use_alternating_once_per_head_and_refreshes_the_copy(monkeypatch):
+    head = tiny_target().get_output_embeddings()
+    calls = _fake_timing(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.1})
+    first, second = DraftHead(head), DraftHead(head)
+    hidden = torch.ones(1, 3, head.weight.shape[1])
+    for _ in range(draft_head.TRIALS):
+        assert first.dtype is None  # still measuring
+        first(hidden)
+        second(hidden)  # a second head of the same weight shares the measurement
+    assert calls == [torch.float32, torch.bfloat16] * draft_head.TRIALS
+    assert first.dtype == second.dtype == torch.bfloat16
+    first(hidden)
+    assert len(calls) == 2 * draft_head.TRIALS  # decided: no more trials
     before = first(torch.ones(1, 1, head.weight.shape[1]))
     with torch.no_grad():
         head.weight.mul_(2.0)  # an in-place change (training) must not leave a stale copy in use
-    after = DraftHead(head, rows=7)(torch.ones(1, 1, head.weight.shape[1]))
+    after = draft_head._project(head, torch.ones(1, 1, head.weight.shape[1]), torch.bfloat16)
     torch.testing.assert_close(after, 2 * before, rtol=2e-2, atol=2e-2)
 
 
-def test_auto_keeps_float32_where_bfloat16_is_not_faster(monkeypatch):
+def test_auto_keeps_float32_where_bfloat16_is_not_clearly_faster(monkeypatch):
     head = tiny_target(seed=3).get_output_embeddings()
-    monkeypatch.setattr(
-        draft_head, "_time", lambda weight, hidden: {torch.float32: 1.0, torch.bfloat16: 0.9}[weight.dtype]
-    )
-    assert DraftHead(head, rows=5).dtype == torch.float32  # within 20%: not worth a copy
+    _fake_timing(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.9})
+    projector = DraftHead(head)
+    for _ in range(2 * draft_head.TRIALS):
+        projector(torch.ones(1, 5, head.weight.shape[1]))
+    assert projector.dtype == torch.float32  # within 20%: not worth a copy
 
 
 def test_bad_dtype_name_is_one_clear_error():

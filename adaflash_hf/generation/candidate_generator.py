@@ -91,9 +91,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.device = drafter.device
         self.input_embeddings = target.get_input_embeddings()
         self.draft_head = DraftHead(
-            target.get_output_embeddings(),
-            config.block_size - 1,
-            getattr(generation_config, "adaflash_draft_head_dtype", None),
+            target.get_output_embeddings(), getattr(generation_config, "adaflash_draft_head_dtype", None)
         )
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id

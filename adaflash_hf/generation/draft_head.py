@@ -4,9 +4,12 @@ The drafter borrows the target's LM head (docs/algorithm.md §1.5). With a float
 drafter's largest cost: over a block's 15 draft positions it reads the whole vocabulary matrix (113 MB for
 SmolLM2's 49152 x 576), about half a plain target step in the step-cost model of BENCHMARKS.md, several times the
 drafter's own layers.
-A bfloat16 copy of the same matrix halves the bytes and, on CPUs with AMX, runs several times faster; on CPUs without
-it, bfloat16 matmuls over more than one row can be slower than float32. So the choice is measured, once per process,
-head and row count, and the faster dtype wins.
+A bfloat16 copy of the same matrix halves the bytes and can run several times faster; but whether it does depends on
+more than the CPU: on the AMX machine of BENCHMARKS.md a standalone timing loop projects 15 positions in 2.8 ms in
+bfloat16 against 12.8 ms in float32, while inside the decoding loop, between target forwards, the same bfloat16
+product takes 75-84 ms and float32 14-26 ms. So the choice is measured where it is used: the first `TRIALS` calls of
+each dtype inside generation, alternating, timed per projected position; then the faster one (by median, bfloat16
+only if it wins by 20%) is kept for the process and head.
 
 Lossless either way: the drafts only *propose* tokens. Greedy verification keeps a draft only if it equals the
 float32 target's own choice; sampling draws the drafts from the distribution these logits define and accepts them
@@ -18,6 +21,7 @@ against that same distribution (docs/algorithm.md §3.4), so the output distribu
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
 
@@ -25,8 +29,11 @@ import torch
 
 DRAFT_HEAD_CHOICES = ("auto", "same")
 
-# (id of the weight, its version counter, device, rows) -> the chosen dtype; measured once per process.
+TRIALS = 3  # timed calls of each dtype before "auto" decides
+# (id of the weight, its version counter, device) -> the chosen dtype; measured once per process.
 _CHOICES: dict[tuple, torch.dtype] = {}
+# the same key -> {dtype: [seconds per projected position, ...]} while "auto" is still measuring
+_TRIALS: dict[tuple, dict[torch.dtype, list[float]]] = {}
 # (id of the weight, its version counter, dtype) -> the weight in that dtype (one copy per head, refreshed when the
 # weight changes in place, e.g. during training).
 _COPIES: dict[tuple, torch.Tensor] = {}
@@ -61,21 +68,27 @@ def _copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _forget(weight_id: int) -> None:
-    for table in (_COPIES, _CHOICES):
+    for table in (_COPIES, _CHOICES, _TRIALS):
         for key in [k for k in table if k[0] == weight_id]:
             del table[key]
 
 
-def _time(weight: torch.Tensor, hidden: torch.Tensor, repeats: int = 5) -> float:
-    hidden = hidden.to(weight.dtype)
-    torch.nn.functional.linear(hidden, weight)  # warm-up
-    sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
+def _project(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    weight = head.weight
+    if dtype == weight.dtype:
+        return head(hidden.to(weight.device, weight.dtype)).float()
+    bias = None if head.bias is None else head.bias.to(dtype)
+    return torch.nn.functional.linear(hidden.to(weight.device, dtype), _copy(weight, dtype), bias).float()
+
+
+def _timed(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """Projects and returns the logits with the seconds it took (device-synchronised)."""
+    sync = torch.cuda.synchronize if head.weight.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    for _ in range(repeats):
-        torch.nn.functional.linear(hidden, weight)
+    logits = _project(head, hidden, dtype)
     sync()
-    return time.perf_counter() - start
+    return logits, time.perf_counter() - start
 
 
 class DraftHead:
@@ -83,37 +96,40 @@ class DraftHead:
 
     Args:
         output_embeddings (`nn.Linear`): the target's LM head.
-        rows (`int`): draft positions projected per row and step (``block_size - 1``), used to measure.
         dtype_name (`str`): ``adaflash_draft_head_dtype`` (see the module docstring).
     """
 
-    def __init__(self, output_embeddings: torch.nn.Module, rows: int, dtype_name: str = "auto"):
+    def __init__(self, output_embeddings: torch.nn.Module, dtype_name: str = "auto"):
         self.head = output_embeddings
         weight = output_embeddings.weight
         name = resolve_dtype_name(dtype_name)
+        self._fixed: torch.dtype | None = None  # None: "auto" on a float32 head, measured in use
         if name == "same" or (name == "auto" and weight.dtype != torch.float32):
-            self.dtype = weight.dtype  # a half-precision head is already the cheap one
-        elif name == "auto":
-            self.dtype = self._measured(weight, rows)
-        else:
-            self.dtype = getattr(torch, name)
+            self._fixed = weight.dtype  # a half-precision head is already the cheap one
+        elif name != "auto":
+            self._fixed = getattr(torch, name)
 
-    @staticmethod
-    def _measured(weight: torch.Tensor, rows: int) -> torch.dtype:
-        key = (*_key(weight), rows)
-        if key not in _CHOICES:
-            hidden = torch.randn(1, rows, weight.shape[1], device=weight.device)
-            with torch.no_grad():
-                fp32 = _time(weight, hidden)
-                bf16 = _time(_copy(weight, torch.bfloat16), hidden)
-            _CHOICES[key] = torch.bfloat16 if bf16 < 0.8 * fp32 else torch.float32
-        return _CHOICES[key]
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype drafts are projected in; ``None`` while "auto" is still measuring."""
+        return self._fixed if self._fixed is not None else _CHOICES.get(_key(self.head.weight))
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype
+        if dtype is not None:
+            return _project(self.head, hidden, dtype)
         weight = self.head.weight
-        if self.dtype == weight.dtype:
-            return self.head(hidden.to(weight.device, weight.dtype)).float()
-        bias = None if self.head.bias is None else self.head.bias.to(self.dtype)
-        logits = torch.nn.functional.linear(hidden.to(weight.device, self.dtype), _copy(weight, self.dtype), bias)
-        return logits.float()
+        key = _key(weight)
+        if key not in _TRIALS:
+            _TRIALS[key] = {torch.float32: [], torch.bfloat16: []}
+            weakref.finalize(weight, _forget, id(weight))  # the measurement goes with its weight
+        trials = _TRIALS[key]
+        dtype = min(trials, key=lambda d: len(trials[d]))  # alternate, so both see the same conditions
+        logits, seconds = _timed(self.head, hidden, dtype)
+        trials[dtype].append(seconds / max(hidden.shape[0] * hidden.shape[1], 1))
+        if all(len(times) >= TRIALS for times in trials.values()):
+            fp32, bf16 = (statistics.median(trials[d]) for d in (torch.float32, torch.bfloat16))
+            _CHOICES[key] = torch.bfloat16 if bf16 < 0.8 * fp32 else torch.float32
+            del _TRIALS[key]
+        return logits
