@@ -4,7 +4,7 @@
 # cached features of the recipe's build (run its prompts, answers and features stages first), then the real
 # speculative loop on EVAL_PROMPTS (default 8) held-out prompts per domain, 32 new tokens, fixed block and adaptive
 # length. Each run's outputs go to build/smollm2-drafter/{trainer,drafter,evaluation}-loss-<type>; the table to
-# bench/results/smollm2_losses.md.
+# smollm2_losses.md in the results folder (not run yet: no table is committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
@@ -14,7 +14,8 @@ for loss in opd ce fkl; do
         --loss_type "$loss" --max_steps "$steps" --warmup_steps 10 --save_steps "$steps" \
         --eval_prompts_per_domain "${EVAL_PROMPTS:-8}" --eval_new_tokens 32 --stages train evaluate
 done
-"${PYTHON:-python}" - "$steps" <<'PY' | tee bench/results/smollm2_losses.md
+out=bench/results
+"${PYTHON:-python}" - "$steps" <<'PY' | tee "$out/smollm2_losses.md"
 import json, sys
 from pathlib import Path
 root = Path("build/smollm2-drafter")

@@ -2,7 +2,7 @@
 # The online-adaptation benchmark of BENCHMARKS.md (fp32 greedy serving, each run against the same stream served
 # without adaptation).
 #  WORLD=smollm2 (default): the real target on REQUESTS (default 64) prompts of its unseen changelog stream, served
-#     in batches of 4, a round per 16 samples; writes bench/results/online_smollm2_changelog.*.
+#     in batches of 4, a round per 16 samples; writes online_smollm2_changelog.* into the results folder.
 #  WORLD=toy: the first round's toy world: 256 changelog requests (a round per 32 samples), then the five domains in
 #     mixed batches of 5, each row drafted by its own LoRA adapter; writes bench/results/online_{changelog,domains}.*.
 set -euo pipefail
