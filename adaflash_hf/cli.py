@@ -112,17 +112,7 @@ def load_models(args):
 
 
 def _chat_prompts(tokenizer) -> dict[str, list[str]]:
-    if tokenizer.chat_template is None:
-        return GENERIC_PROMPTS
-    return {
-        domain: [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-            )
-            for p in prompts
-        ]
-        for domain, prompts in GENERIC_PROMPTS.items()
-    }
+    return {domain: _as_requests(tokenizer, prompts) for domain, prompts in GENERIC_PROMPTS.items()}
 
 
 # ---------------------------------------------------------------------------------------------- demo

@@ -237,12 +237,11 @@ class SpeculativeDecoding:
         self.parked = {}  # row -> its cache columns and mask, once it left the batch (returned caches only)
         self.recorder = CallRecorder(batch, input_ids.device)
         self.planner = None
+        self.mask_dtype = next(target.parameters()).dtype  # tree masks are additive, in the target's dtype
         if self.generator.policy.length_policy == "planned":
-            dtype = next(target.parameters()).dtype
-            table = cost_table(target, drafter, input_ids.device, dtype)
+            table = cost_table(target, drafter, input_ids.device, self.mask_dtype)
             self.planner = VerificationPlanner(table, self.generator.block_size, batch, input_ids.device)
         self.tree_budget = _tree_budget(generation_config, logits_processor, self.window)
-        self.mask_dtype = next(target.parameters()).dtype
 
     # ------------------------------------------------------------------ loop
 
@@ -325,19 +324,8 @@ class SpeculativeDecoding:
         verify_ids = torch.cat([anchors[:, None], draft_tokens], dim=1)
         offsets = torch.arange(width, device=verify_ids.device)
         fed = offsets <= drafts.num_drafts[:, None]  # [B, width]: padding beyond a row's drafts is masked
-        outputs = self.target(
-            input_ids=verify_ids,
-            attention_mask=self._extended_mask(fed),
-            position_ids=self.next_positions[:, None] + offsets,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=self.hidden_layers,
-        )
-        verified = self.recorder.clock()
-
-        raw = outputs.logits.float()
-        processed, _ = process_positions(
-            self.processors, self.sequences, self.lengths[rows], raw.clone(), tokens=draft_tokens, rows=rows
+        outputs, raw, processed, verified = self._verify(
+            rows, verify_ids, self._extended_mask(fed), self.next_positions[:, None] + offsets, draft_tokens
         )
         if generator.do_sample:
             draft_probs = drafts.probs[:, : width - 1] if drafts.probs is not None else processed[:, :0]
@@ -380,6 +368,25 @@ class SpeculativeDecoding:
             **plan,
         )
 
+    def _verify(self, rows, verify_ids, attention_mask, position_ids, tokens):
+        """One target forward over ``verify_ids [B, W]`` against the cache; returns ``(outputs, raw, processed,
+        clock)``: the float32 logits as they are and as the processors leave them (position ``i`` seeing ``tokens[:,
+        :i]``), and the recorder's clock after the forward."""
+        outputs = self.target(
+            input_ids=verify_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=self.hidden_layers,
+        )
+        verified = self.recorder.clock()
+        raw = outputs.logits.float()
+        processed, _ = process_positions(
+            self.processors, self.sequences, self.lengths[rows], raw.clone(), tokens=tokens, rows=rows
+        )
+        return outputs, raw, processed, verified
+
     def _verify_tree(self, rows, anchors, drafts, start, drafted):
         """Tree verification (`tree.py`): one target forward over each row's draft tree, then the accepted path's
         columns (cache, features, logits) are moved to the front of the step's columns, so that committing them is
@@ -389,23 +396,16 @@ class SpeculativeDecoding:
         if padded is not None:  # plain decoding only pads a stopped row: it gets no tree, its token is padding
             depth = depth.masked_fill(padded, 0)
         tree = build_trees(drafts.logits, depth, self.tree_budget, self.pad_token_id)
-        width = tree.width
-        past = self.cache.get_seq_length()
-        outputs = self.target(
-            input_ids=torch.cat([anchors[:, None], tree.tokens], dim=1),
-            attention_mask=tree_attention_mask(tree, self.cache_mask, past, self.mask_dtype),
-            position_ids=self.next_positions[:, None]
-            + torch.cat([tree.depths.new_zeros(len(rows), 1), tree.depths], 1),
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=self.hidden_layers,
-        )
-        verified = self.recorder.clock()
-
-        raw = outputs.logits.float()
+        width, past = tree.width, self.cache.get_seq_length()
+        verify_ids = torch.cat([anchors[:, None], tree.tokens], dim=1)
+        depths = torch.cat([tree.depths.new_zeros(len(rows), 1), tree.depths], 1)
         # ids-independent processors only (checked up front), so no node needs its path as the processors' ids
-        processed, _ = process_positions(
-            self.processors, self.sequences, self.lengths[rows], raw.clone(), tokens=tree.tokens, rows=rows
+        outputs, raw, processed, verified = self._verify(
+            rows,
+            verify_ids,
+            tree_attention_mask(tree, self.cache_mask, past, self.mask_dtype),
+            self.next_positions[:, None] + depths,
+            tree.tokens,
         )
         choices = self.generator.choose(processed.flatten(0, 1)).view(processed.shape[:2])
         accepted, order, following = walk_trees(tree, choices)
@@ -419,9 +419,8 @@ class SpeculativeDecoding:
         features = by_order(self.generator.context_features(outputs.hidden_states))
         for layer in self.cache.layers:
             _gather_columns(layer, order, columns=slice(past, past + width))
-        path = by_order(torch.cat([anchors[:, None], tree.tokens], dim=1))[:, 1:]
+        path = by_order(verify_ids)[:, 1:]
         committed = torch.cat([path, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
-        deepest = (tree.depths * tree.valid).amax(-1) if tree.valid.numel() else tree.num_nodes
         self._finish_step(
             rows,
             committed,
@@ -434,7 +433,7 @@ class SpeculativeDecoding:
             start,
             drafted,
             verified,
-            deepest,
+            tree.deepest,
         )
 
     def _limit(self) -> int:

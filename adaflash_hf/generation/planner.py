@@ -163,8 +163,8 @@ class VerificationPlanner:
             if width == 1 and self.plain_streak >= table.probe_interval:
                 width, self._probing = min(max_width, PROBE_WIDTH), True
             elif 1 < width < max_width and not table.measured(width + 1):
-                # The next width is costed by an extrapolation (an upper bound beside a single measured width), so it
-                # could only win once measured: one step there measures it (each width once per pair and process).
+                # The next width is costed by an upper bound (beyond the measured widths) or an interpolation, so it
+                # may win only once measured: one step there measures it (each width once per pair and process).
                 width += 1
             self.last_prediction = {
                 "predicted_step_s": table.cost(count, width),

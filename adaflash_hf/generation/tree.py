@@ -56,6 +56,11 @@ class DraftTree:
     def num_nodes(self) -> torch.LongTensor:
         return self.valid.sum(-1)
 
+    @property
+    def deepest(self) -> torch.LongTensor:
+        """``[B]``: the depth of each row's deepest node (0 for a row without nodes)."""
+        return (self.depths * self.valid).amax(-1) if self.valid.numel() else self.num_nodes
+
     def ancestry(self) -> torch.Tensor:
         """``[B, N + 1, N + 1]`` bool: ``[b, i, j]`` is True when node ``j`` is node ``i`` or one of its ancestors
         (the visibility of a tree attention mask). Parents come before children, so one pass in node order fills it."""
