@@ -33,6 +33,8 @@ def greedy_acceptance(
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """drafts ``[B, k]``, target_logits ``[B, k + 1, V]``, num_drafts ``[B]`` -> (accepted ``[B]``, next ``[B]``)."""
     choice = target_logits.argmax(dim=-1)
+    if drafts.shape[1] == 0:  # a plain step (the planner's): nothing to match, the target's token follows
+        return choice.new_zeros(choice.shape[0]), choice[:, 0]
     accepted = leading_true((drafts == choice[:, :-1]) & _valid(num_drafts, drafts.shape[1]))
     return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
 

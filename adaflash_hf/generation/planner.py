@@ -184,20 +184,20 @@ class VerificationPlanner:
         self._sync()
         seconds = time.perf_counter() - self._started
         self.table.observe(len(rows), width, seconds)
+        if width == 1:  # a plain step offers no drafts, so it tells nothing about acceptance
+            self.plain_streak += 1
+            return seconds
         index = torch.tensor(rows, dtype=torch.long)
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
         drafted = out_of > 0  # accepted drafts are successes, a rejection is one failure
         self.successes.index_add_(0, index, torch.where(drafted, got, 0.0))
         self.trials.index_add_(0, index, torch.where(drafted, got + (got < out_of).double(), 0.0))
-        if width == 1:
-            self.plain_streak += 1
+        if self._probing:
+            # a probe that does not make drafting win next time waits twice as long before the next one
+            self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
         else:
-            if self._probing:
-                # a probe that does not make drafting win next time waits twice as long before the next one
-                self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
-            else:
-                self.table.probe_interval = FIRST_PROBE_INTERVAL
-            self.plain_streak = 0
+            self.table.probe_interval = FIRST_PROBE_INTERVAL
+        self.plain_streak = 0
         trials = float(self.trials.sum())
         if trials > 0:
             self.table.acceptance = float(self.successes.sum()) / trials
