@@ -260,6 +260,8 @@ def online(args) -> int:
         per_device_train_batch_size=args.train_batch_size,
         gradient_accumulation_steps=1,
         learning_rate=args.learning_rate,
+        train_length_head=args.train_length_head,
+        length_head_learning_rate=args.length_head_learning_rate,
         num_anchors=args.num_anchors,
         bf16=True,  # autocast in the trainer thread only; the drafter's weights keep their dtype
         use_cpu=args.device == "cpu",
@@ -390,6 +392,15 @@ def build_parser() -> argparse.ArgumentParser:
     online_parser.add_argument("--train-batch-size", type=int, default=8)
     online_parser.add_argument("--learning-rate", type=float, default=1e-3)
     online_parser.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence (512 for 2k tokens)")
+    # Small rounds can retrain the length head into predicting no drafts at all (BENCHMARKS.md, online adaptation on
+    # the real target), after which the adaptive policy stops drafting; keep it as shipped, or train it more slowly.
+    online_parser.add_argument(
+        "--train-length-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="retrain the drafter's length head in each round (--no-train-length-head keeps it as it is)",
+    )
+    online_parser.add_argument("--length-head-learning-rate", type=float, default=2e-4)
     online_parser.add_argument("--seed", type=int, default=0)
     online_parser.add_argument(
         "--background", action="store_true", help="train in a background thread (default: rounds run between requests)"

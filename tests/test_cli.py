@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from adaflash_hf.cli import main
 
@@ -108,6 +109,32 @@ def test_online_adapts_on_the_unseen_stream_and_compares_with_the_baseline(tmp_p
 
     with pytest.raises(SystemExit, match="is not empty: pass --resume"):
         main(args)
+
+
+def test_online_can_keep_the_length_head_as_shipped(tmp_path):
+    # --no-train-length-head: a round retrains the drafter but publishes the length head it started from, while
+    # the default retrains it (the real target's small rounds collapsed it; BENCHMARKS.md)
+    from adaflash_demo.world import world_artifact
+    from adaflash_hf import AdaFlashDrafter
+
+    def published_head(swap):
+        latest = json.loads((swap / "adapted" / "published" / "drafter" / "LATEST.json").read_text())
+        drafter = AdaFlashDrafter.from_pretrained(swap / "adapted" / "published" / "drafter" / latest["directory"])
+        return drafter.thresh_head_two_model.state_dict(), drafter.layers.state_dict()
+
+    shipped = AdaFlashDrafter.from_pretrained(world_artifact("drafter"))
+    heads = {}
+    for flag in ("--no-train-length-head", "--train-length-head"):
+        swap = tmp_path / flag
+        args = ["online", "--world", "toy", "--num-requests", "8", "--train-threshold", "4", "--max-new-tokens", "20"]
+        args += ["--train-batch-size", "4", "--buffer-epochs", "1", "--num-anchors", "4", "--swap-dir", str(swap)]
+        assert main(args + [flag, "--length-head-learning-rate", "1e-2"]) == 0
+        heads[flag] = published_head(swap)
+    for flag, changed in (("--no-train-length-head", False), ("--train-length-head", True)):
+        head, layers = heads[flag]
+        same_head = all(torch.equal(v, shipped.thresh_head_two_model.state_dict()[k]) for k, v in head.items())
+        assert same_head is not changed, flag
+        assert not all(torch.equal(v, shipped.layers.state_dict()[k]) for k, v in layers.items()), flag
 
 
 def test_online_serves_a_prompt_file_and_names_a_bad_line(tmp_path, capsys):
