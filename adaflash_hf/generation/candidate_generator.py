@@ -142,8 +142,13 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             positions = torch.cat([p for _, p, _ in pending], dim=1)
             valid = None
             if any(v is not None for _, _, v in pending):
-                ones = [torch.ones(p.shape, dtype=torch.bool, device=self.device) for _, p, _ in pending]
-                valid = torch.cat([one if v is None else v for one, (_, _, v) in zip(ones, pending)], dim=1)
+                valid = torch.cat(
+                    [
+                        torch.ones(p.shape, dtype=torch.bool, device=self.device) if v is None else v
+                        for _, p, v in pending
+                    ],
+                    dim=1,
+                )
         return features, positions, None if _all_true(valid) else valid
 
     def skip(self, anchors: torch.LongTensor) -> Drafts:
