@@ -261,11 +261,16 @@ def online(args) -> int:
         gradient_accumulation_steps=1,
         learning_rate=args.learning_rate,
         train_length_head=args.train_length_head,
-        length_head_learning_rate=args.length_head_learning_rate,
         num_anchors=args.num_anchors,
         bf16=True,  # autocast in the trainer thread only; the drafter's weights keep their dtype
         use_cpu=args.device == "cpu",
         seed=args.seed,
+        # OPDConfig's own default unless given, so the two cannot drift apart
+        **(
+            {}
+            if args.length_head_learning_rate is None
+            else {"length_head_learning_rate": args.length_head_learning_rate}
+        ),
     )
     config = OnlineConfig(
         swap_dir=str(root),
@@ -400,7 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="retrain the drafter's length head in each round (--no-train-length-head keeps it as it is)",
     )
-    online_parser.add_argument("--length-head-learning-rate", type=float, default=2e-4)
+    online_parser.add_argument(
+        "--length-head-learning-rate", type=float, help="the length head's rate in each round (default: OPDConfig's)"
+    )
     online_parser.add_argument("--seed", type=int, default=0)
     online_parser.add_argument(
         "--background", action="store_true", help="train in a background thread (default: rounds run between requests)"
