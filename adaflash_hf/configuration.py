@@ -48,7 +48,14 @@ _HEAD_KEYS = {
     "thresh_head_direct_len": "length_head_direct_len",
 }
 # AdaFlashConfig fields with no place in the official schema; saved under "adaflash_config".
-ADAFLASH_KEYS = ("target_model", "length_policy", "length_rate", "min_candidate_length", "confidence_threshold")
+ADAFLASH_KEYS = (
+    "target_model",
+    "length_policy",
+    "length_rate",
+    "min_candidate_length",
+    "confidence_threshold",
+    "draft_vocab",
+)
 # Legacy AdaFlash heads that no serving engine uses (docs/algorithm.md §6.1); their tensors are skipped, with a
 # warning.
 UNSUPPORTED_HEADS = {"use_thresh_head_subsequent": "thresh_head_subsequent.", "use_prob_head": "prob_head."}
@@ -81,6 +88,20 @@ def length_policy_problems(policy, drafter_config, prefix: str = "") -> list[str
     if not 0 < policy.confidence_threshold < 1:
         problems.append(f"{prefix}confidence_threshold={policy.confidence_threshold} must lie in (0, 1)")
     return problems
+
+
+def draft_vocab_problems(draft_vocab, vocab_size: int) -> list[str]:
+    """What is wrong with a reduced draft vocabulary (``AdaFlashConfig.draft_vocab``); empty when nothing is."""
+    if draft_vocab is None:
+        return []
+    ids = list(draft_vocab)
+    if len(ids) < 2 or any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        return [f"draft_vocab must be a list of at least 2 token ids (ints); got {len(ids)} entries"]
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        return ["draft_vocab must be strictly ascending (sorted, no duplicates): sorted(set(ids))"]
+    if ids[0] < 0 or ids[-1] >= vocab_size:
+        return [f"draft_vocab holds ids outside the target vocabulary [0, {vocab_size}): {ids[0]}..{ids[-1]}"]
+    return []
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -120,6 +141,13 @@ class AdaFlashConfig(PreTrainedConfig):
         vocab_size, bos_token_id, eos_token_id, pad_token_id:
             Copied from the target so that `generate()` and pipelines accept the drafter as an assistant.
         target_model (`str`, *optional*): Hub id or path of the target the drafter was trained for (model cards).
+        draft_vocab (`list[int]`, *optional*):
+            A reduced draft vocabulary (EAGLE-3 / FR-Spec style): the target token ids, ascending, that the drafter
+            may propose. Drafts are projected with only these rows of the target's LM head, which is most of a
+            drafter's cost with a large vocabulary; the target still verifies over its whole vocabulary, so
+            outputs stay exact (a token outside it simply cannot be drafted). `None` (the default): the whole
+            vocabulary. The official DFlash schema has no place for it: it is saved under `adaflash_config`, which
+            SGLang and vLLM ignore (they draft over the whole vocabulary with the same weights).
 
     Adaptive length head (AdaFlash "two_model" thresh head, docs/algorithm.md §6):
         use_length_head (`bool`, defaults to `False`): whether the drafter has the head.
@@ -172,6 +200,7 @@ class AdaFlashConfig(PreTrainedConfig):
     length_head_direct_len: bool = True
 
     target_model: str | None = None
+    draft_vocab: list[int] | None = None
 
     length_policy: str | None = None
     length_rate: float = 1.3
@@ -216,6 +245,7 @@ class AdaFlashConfig(PreTrainedConfig):
                 "for Qwen3 targets it is 151669"
             )
         problems += length_policy_problems(self, self)
+        problems += draft_vocab_problems(self.draft_vocab, self.vocab_size)
         if problems:
             raise ValueError("Invalid AdaFlashConfig: " + "; ".join(problems))
 
@@ -424,6 +454,7 @@ __all__ = [
     "LENGTH_POLICIES",
     "build_target_layer_ids",
     "config_to_dflash_dict",
+    "draft_vocab_problems",
     "length_policy_problems",
     "fields_from_dflash_dict",
     "is_dflash_dict",

@@ -77,7 +77,9 @@ def train_target(tokenizer, num_steps: int = 300, length: int = 40, seed: int = 
     return target.eval()
 
 
-def synthetic_drafter(target, tokenizer, block_size: int = 8, use_length_head: bool = False, seed: int = 1):
+def synthetic_drafter(
+    target, tokenizer, block_size: int = 8, use_length_head: bool = False, seed: int = 1, draft_vocab=None
+):
     torch.manual_seed(seed)
     config = AdaFlashConfig.from_target_config(
         target.config,
@@ -87,6 +89,7 @@ def synthetic_drafter(target, tokenizer, block_size: int = 8, use_length_head: b
         target_layer_ids=[0, 1],
         use_length_head=use_length_head,
         length_head_bottleneck_dim=32,
+        draft_vocab=draft_vocab,
     )
     return AdaFlashDrafter(config)
 

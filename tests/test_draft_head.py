@@ -54,9 +54,9 @@ def _fake_timing(monkeypatch, seconds: dict):
     """Replaces the clock of "auto"'s trials: each dtype takes ``seconds[dtype]`` per call."""
     calls = []
 
-    def timed(head, hidden, dtype):
+    def timed(head, hidden, dtype, vocab):
         calls.append(dtype)
-        return draft_head._project(head, hidden, dtype), seconds[dtype]
+        return draft_head._project(head, hidden, dtype, vocab), seconds[dtype]
 
     monkeypatch.setattr(draft_head, "_timed", timed)
     return calls
@@ -78,7 +78,7 @@ def test_auto_measures_in_use_alternating_once_per_head_and_refreshes_the_copy(m
     before = first(torch.ones(1, 1, head.weight.shape[1]))
     with torch.no_grad():
         head.weight.mul_(2.0)  # an in-place change (training) must not leave a stale copy in use
-    after = draft_head._project(head, torch.ones(1, 1, head.weight.shape[1]), torch.bfloat16)
+    after = draft_head._project(head, torch.ones(1, 1, head.weight.shape[1]), torch.bfloat16, None)
     torch.testing.assert_close(after, 2 * before, rtol=2e-2, atol=2e-2)
 
 

@@ -34,6 +34,11 @@ def test_cached_features_equal_the_targets_and_are_read_back_without_a_forward(
         assert torch.equal(got.context[real], expected.context[real])
         assert torch.equal(got.last_hidden[real], expected.last_hidden[real])
     assert second.context.dtype == expected.context.dtype and second.context.shape == expected.context.shape
+    # The teacher's whole-vocabulary argmax and log-sum-exp are stored with them (read back exactly).
+    logits = target.get_output_embeddings()(expected.last_hidden).float()
+    for got in (first, second):
+        assert torch.equal(got.teacher.argmax[real], logits.argmax(-1)[real])
+        assert torch.allclose(got.teacher.logsumexp[real], logits.logsumexp(-1)[real], atol=1e-5)
 
     # bfloat16 storage: the values a bf16-autocast drafter sees, the same on the first pass as read back later.
     monkeypatch.setattr(features_module, "target_features", expected_features := _recorder(expected))
@@ -68,16 +73,20 @@ def test_fill_shares_the_work_between_workers_and_skips_what_is_stored(target, t
     assert len(list(tmp_path.glob("*/*.safetensors"))) == 6
 
 
+@pytest.mark.parametrize("reduced_vocab", [False, True])
 def test_a_run_with_the_cache_trains_exactly_as_one_without_and_later_epochs_skip_the_target(
-    target, tokenizer, tmp_path, monkeypatch
+    target, tokenizer, tmp_path, monkeypatch, reduced_vocab
 ):
     prompt_ids, completions = _pairs(target, tokenizer)
     pairs = Dataset.from_dict({"prompt_ids": prompt_ids, "completion_ids": completions})
+    # With a draft vocabulary the cached run reads the teacher's stored argmax and log-sum-exp instead of projecting
+    # the whole vocabulary: the same numbers.
+    draft_vocab = sorted({t for c in completions for t in c})[::2] if reduced_vocab else None
     weights = {}
     for name, extra in [("plain", {}), ("cached", {"feature_cache_dir": str(tmp_path / "features")})]:
         args = opd_args(tmp_path / name, max_steps=4, feature_cache_dtype="float32", **extra)  # 2 epochs of 4 rows
         torch.manual_seed(0)
-        drafter = synthetic_drafter(target, tokenizer)
+        drafter = synthetic_drafter(target, tokenizer, draft_vocab=draft_vocab)
         trainer = OPDTrainer(drafter, target, args, train_dataset=pairs, processing_class=tokenizer)
         if name == "cached":
             calls = _counting(monkeypatch)

@@ -239,3 +239,50 @@ def test_row_statistics_cast_drafter_states_to_the_heads_dtype():
     student, teacher, weight, bias, labels = _rows()
     stats = row_statistics(student, teacher.bfloat16(), labels, weight.bfloat16(), bias.bfloat16())
     assert stats.reverse_kl.dtype == torch.float32 and torch.isfinite(stats.reverse_kl).all()
+
+
+# ---------------------------------------------------------------- reduced draft vocabulary
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("stored_teacher", [False, True])
+def test_draft_vocabulary_statistics_equal_the_restricted_direct_formulas(temperature, stored_teacher):
+    from adaflash_hf.training.losses import teacher_top
+
+    student, teacher, weight, bias, labels = _rows(m=9, v=13)
+    vocab = torch.tensor([0, 2, 3, 5, 8, 9, 12])
+    zt = F.linear(teacher, weight, bias)
+    labels[0] = zt[0].argmax()  # at least one reachable and one unreachable label
+    labels[1] = 1
+    top = teacher_top(teacher, weight, bias) if stored_teacher else None
+    stats = row_statistics(
+        student, teacher, labels, weight, bias, temperature=temperature, chunk_size=4, draft_vocab=vocab, teacher=top
+    )
+    zs = F.linear(student, weight[vocab], bias[vocab])  # the student is a distribution over the draft vocabulary
+    ls = F.log_softmax(zs / temperature, -1)
+    lt_full = F.log_softmax(zt / temperature, -1)  # the teacher over the whole vocabulary
+    lt = lt_full[:, vocab]
+    t2 = temperature**2
+    # reverse KL is exact: the student has no mass outside the draft vocabulary
+    assert torch.allclose(stats.reverse_kl, t2 * (ls.exp() * (ls - lt)).sum(-1), atol=1e-5)
+    assert torch.allclose(stats.forward_kl, t2 * (lt.exp() * (lt - ls)).sum(-1), atol=1e-5)
+    assert torch.equal(stats.teacher_argmax, zt.argmax(-1))  # target token ids, whole vocabulary
+    assert torch.equal(stats.student_argmax, vocab[zs.argmax(-1)])
+    position = {int(t): i for i, t in enumerate(vocab)}
+    raw = F.log_softmax(zs, -1)
+    for row in range(9):
+        for got, label in ((stats.ce_data[row], int(labels[row])), (stats.ce_teacher[row], int(zt[row].argmax()))):
+            expected = -raw[row, position[label]] if label in position else torch.tensor(0.0)
+            assert torch.allclose(got, expected, atol=1e-5)
+    assert stats.ce_data[1] == 0  # label 1 is outside the draft vocabulary
+    (stats.reverse_kl.sum() + stats.ce_teacher.sum()).backward()
+    assert torch.isfinite(student.grad).all() and student.grad.abs().sum() > 0
+
+
+def test_draft_vocabulary_of_every_token_equals_the_plain_statistics():
+    student, teacher, weight, bias, labels = _rows()
+    plain = row_statistics(student, teacher, labels, weight, bias)
+    full = row_statistics(student, teacher, labels, weight, bias, draft_vocab=torch.arange(weight.shape[0]))
+    for name in ("ce_teacher", "ce_data", "forward_kl", "reverse_kl", "student_max_prob"):
+        assert torch.allclose(getattr(plain, name), getattr(full, name), atol=1e-5), name
+    assert torch.equal(plain.student_argmax, full.student_argmax)

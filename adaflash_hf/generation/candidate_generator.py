@@ -91,7 +91,9 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.device = drafter.device
         self.input_embeddings = target.get_input_embeddings()
         self.draft_head = DraftHead(
-            target.get_output_embeddings(), getattr(generation_config, "adaflash_draft_head_dtype", None)
+            target.get_output_embeddings(),
+            getattr(generation_config, "adaflash_draft_head_dtype", None),
+            vocab=config.draft_vocab,
         )
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id

@@ -17,6 +17,12 @@ against that same distribution (docs/algorithm.md §3.4), so the output distribu
 
 ``GenerationConfig(adaflash_draft_head_dtype=...)`` overrides the choice: ``"auto"`` (the default, measured),
 ``"same"`` (the target head's own dtype, no copy) or a dtype name such as ``"bfloat16"``.
+
+A drafter with a reduced draft vocabulary (``AdaFlashConfig.draft_vocab``) projects with only those rows of the
+head (one copy per head, dtype and vocabulary), which divides the head's cost by the vocabulary ratio; the logits are
+then scattered back into the whole vocabulary with ``-inf`` elsewhere, so logits processors, sampling, acceptance
+and trees see the usual ``[..., V]`` tensor, and a token outside the draft vocabulary is never drafted (greedy: its
+logit is ``-inf``; sampling: its draft probability is 0, which rejection sampling handles exactly).
 """
 
 from __future__ import annotations
@@ -49,21 +55,32 @@ def resolve_dtype_name(name) -> str:
     )
 
 
-def _key(weight: torch.Tensor) -> tuple:
-    return (id(weight), weight._version, weight.device, tuple(weight.shape))
+def _key(weight: torch.Tensor, vocab: _Vocab | None = None) -> tuple:
+    return (id(weight), weight._version, weight.device, tuple(weight.shape), None if vocab is None else vocab.key)
 
 
-def _copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == weight.dtype:
+class _Vocab:
+    """A draft vocabulary: its ids as a tensor and a key that tells vocabularies apart in the caches above."""
+
+    def __init__(self, ids, device):
+        ids = [int(i) for i in ids]
+        self.key = (len(ids), hash(tuple(ids)))
+        self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _copy(weight: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None = None) -> torch.Tensor:
+    """``weight`` (its ``vocab`` rows only, when given) in ``dtype``; a copy kept per weight version."""
+    if dtype == weight.dtype and vocab is None:
         return weight
-    key = (*_key(weight), dtype)
+    key = (*_key(weight, vocab), dtype)
     if key not in _COPIES:
-        stale = [k for k in _COPIES if k[0] == id(weight)]
+        stale = [k for k in _COPIES if k[0] == id(weight) and k[1] != weight._version]
         for old in stale:
             del _COPIES[old]
-        _COPIES[key] = weight.detach().to(dtype)
-        if not stale:  # the copy goes with the weight it was made from
+        if not any(k[0] == id(weight) for k in _COPIES):  # the copies go with the weight they were made from
             weakref.finalize(weight, _forget, id(weight))
+        rows = weight.detach() if vocab is None else weight.detach().index_select(0, vocab.ids.to(weight.device))
+        _COPIES[key] = rows.to(dtype)
     return _COPIES[key]
 
 
@@ -73,20 +90,27 @@ def _forget(weight_id: int) -> None:
             del table[key]
 
 
-def _project(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _project(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None) -> torch.Tensor:
+    """Float32 logits over the whole vocabulary (``-inf`` outside ``vocab`` when given)."""
     weight = head.weight
-    if dtype == weight.dtype:
+    if dtype == weight.dtype and vocab is None:
         return head(hidden.to(weight.device, weight.dtype)).float()
-    bias = None if head.bias is None else head.bias.to(dtype)
-    return torch.nn.functional.linear(hidden.to(weight.device, dtype), _copy(weight, dtype), bias).float()
+    bias = head.bias
+    if bias is not None:
+        bias = (bias if vocab is None else bias.index_select(0, vocab.ids.to(bias.device))).to(dtype)
+    logits = torch.nn.functional.linear(hidden.to(weight.device, dtype), _copy(weight, dtype, vocab), bias).float()
+    if vocab is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], weight.shape[0]), float("-inf"))
+    return full.index_copy_(-1, vocab.ids.to(full.device), logits)
 
 
-def _timed(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+def _timed(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab) -> tuple[torch.Tensor, float]:
     """Projects and returns the logits with the seconds it took (device-synchronised)."""
     sync = torch.cuda.synchronize if head.weight.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    logits = _project(head, hidden, dtype)
+    logits = _project(head, hidden, dtype, vocab)
     sync()
     return logits, time.perf_counter() - start
 
@@ -97,11 +121,13 @@ class DraftHead:
     Args:
         output_embeddings (`nn.Linear`): the target's LM head.
         dtype_name (`str`): ``adaflash_draft_head_dtype`` (see the module docstring).
+        vocab (`list[int]`, *optional*): the drafter's reduced draft vocabulary (``AdaFlashConfig.draft_vocab``).
     """
 
-    def __init__(self, output_embeddings: torch.nn.Module, dtype_name: str = "auto"):
+    def __init__(self, output_embeddings: torch.nn.Module, dtype_name: str = "auto", vocab=None):
         self.head = output_embeddings
         weight = output_embeddings.weight
+        self.vocab = None if vocab is None else _Vocab(vocab, weight.device)
         name = resolve_dtype_name(dtype_name)
         self._fixed: torch.dtype | None = None  # None: "auto" on a float32 head, measured in use
         if name == "same" or (name == "auto" and weight.dtype != torch.float32):
@@ -112,21 +138,21 @@ class DraftHead:
     @property
     def dtype(self) -> torch.dtype | None:
         """The dtype drafts are projected in; ``None`` while "auto" is still measuring."""
-        return self._fixed if self._fixed is not None else _CHOICES.get(_key(self.head.weight))
+        return self._fixed if self._fixed is not None else _CHOICES.get(_key(self.head.weight, self.vocab))
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
         if dtype is not None:
-            return _project(self.head, hidden, dtype)
+            return _project(self.head, hidden, dtype, self.vocab)
         weight = self.head.weight
-        key = _key(weight)
+        key = _key(weight, self.vocab)
         if key not in _TRIALS:
             _TRIALS[key] = {torch.float32: [], torch.bfloat16: []}
             weakref.finalize(weight, _forget, id(weight))  # the measurement goes with its weight
         trials = _TRIALS[key]
         dtype = min(trials, key=lambda d: len(trials[d]))  # alternate, so both see the same conditions
-        logits, seconds = _timed(self.head, hidden, dtype)
+        logits, seconds = _timed(self.head, hidden, dtype, self.vocab)
         trials[dtype].append(seconds / max(hidden.shape[0] * hidden.shape[1], 1))
         if all(len(times) >= TRIALS for times in trials.values()):
             fp32, bf16 = (statistics.median(trials[d]) for d in (torch.float32, torch.bfloat16))

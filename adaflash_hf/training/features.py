@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ..utils import write_json_atomic
 from .blocks import BlockLayout, block_attention_mask, block_label_positions, block_noise_ids, block_position_ids
+from .losses import TeacherTop, teacher_top
 
 
 @dataclass
@@ -27,10 +28,14 @@ class TargetFeatures:
     context (`[B, S, K*H]`): ``hidden_states[i + 1]`` for each of the drafter's ``target_layer_ids``, concatenated.
     last_hidden (`[B, S, H]`): the final-normed last hidden state; the target's ``lm_head`` of row ``t`` is its
         distribution for the token at ``t + 1``.
+    teacher (`TeacherTop` of `[B, S]` tensors, *optional*): the argmax and log-sum-exp of those logits over the
+        whole vocabulary, which is all a drafter with a reduced draft vocabulary needs of the whole head
+        (`FeatureCache` stores them, so such a training step never projects the whole vocabulary).
     """
 
     context: torch.Tensor
     last_hidden: torch.Tensor
+    teacher: TeacherTop | None = None
 
 
 @torch.no_grad()
@@ -52,8 +57,10 @@ class FeatureCache:
     With fixed responses (offline pairs, or rollouts generated once) the target forward is the same every epoch and
     costs about 40% of a CPU training step of a small drafter; reading the stored features costs milliseconds.
 
-    One safetensors file per sequence (``context [L, K*H]``, ``last_hidden [L, H]``), named by a hash of its ``L``
-    token ids, written atomically, so concurrent processes and interrupted runs never leave a torn entry. The
+    One safetensors file per sequence (``context [L, K*H]``, ``last_hidden [L, H]``, and the teacher's
+    whole-vocabulary ``teacher_argmax [L]`` / ``teacher_logsumexp [L]`` computed from the stored ``last_hidden``),
+    named by a hash of its ``L`` token ids, written atomically, so concurrent processes and interrupted runs never
+    leave a torn entry. The
     directory records which target and layers it holds (``fingerprint.json``); another target's directory is
     refused. Features are stored in ``dtype``: bfloat16 is exactly what a drafter trained under bf16 autocast
     receives (its ``fc`` casts to bfloat16), float32 keeps a float32 run exact. Features computed for a batch are
@@ -118,19 +125,36 @@ class FeatureCache:
         # Returned in the target's dtype, as target_features returns them: the loss projects last_hidden with the
         # target's head.
         dtype = next(self.target.parameters()).dtype
+        width, device = input_ids.shape[1], input_ids.device
         if all(self.path(key).exists() for key in keys):
             rows = [load_file(self.path(key)) for key in keys]
-            context = self._pad([row["context"] for row in rows], input_ids.shape[1])
-            last_hidden = self._pad([row["last_hidden"] for row in rows], input_ids.shape[1])
+            context = self._pad([row["context"] for row in rows], width)
+            last_hidden = self._pad([row["last_hidden"] for row in rows], width)
+            teacher = None
+            if all(
+                set(TEACHER_KEYS) <= row.keys() for row in rows
+            ):  # entries written before they were stored lack them
+                argmax, lse = (self._pad([row[name][:, None] for row in rows], width)[..., 0] for name in TEACHER_KEYS)
+                teacher = TeacherTop(argmax.to(device, torch.long), lse.to(device, torch.float32))
             return TargetFeatures(
-                context=context.to(input_ids.device, dtype), last_hidden=last_hidden.to(input_ids.device, dtype)
+                context=context.to(device, dtype), last_hidden=last_hidden.to(device, dtype), teacher=teacher
             )
         computed = target_features(self.target, input_ids, attention_mask, self.target_layer_ids)
         context, last_hidden = computed.context.to(self.dtype), computed.last_hidden.to(self.dtype)
+        # From the rounded states, so a step reading them back trains on exactly what this one does.
+        head = self.target.get_output_embeddings()
+        flat = teacher_top(last_hidden.flatten(0, 1), head.weight, head.bias)
+        teacher = TeacherTop(flat.argmax.view(last_hidden.shape[:2]), flat.logsumexp.view(last_hidden.shape[:2]))
         for row, (key, length) in enumerate(zip(keys, lengths)):
             if not self.path(key).exists():
-                self._write(key, context[row, :length], last_hidden[row, :length])
-        return TargetFeatures(context=context.to(dtype), last_hidden=last_hidden.to(dtype))
+                stored = {
+                    "context": context[row, :length],
+                    "last_hidden": last_hidden[row, :length],
+                    "teacher_argmax": teacher.argmax[row, :length].to(torch.int32),
+                    "teacher_logsumexp": teacher.logsumexp[row, :length],
+                }
+                self._write(key, stored)
+        return TargetFeatures(context=context.to(dtype), last_hidden=last_hidden.to(dtype), teacher=teacher)
 
     def fill(self, sequences: list[list[int]], batch_size: int = 8, worker: int = 0, num_workers: int = 1) -> int:
         """Stores the features of every sequence not yet stored (``worker`` of ``num_workers`` takes every
@@ -149,11 +173,11 @@ class FeatureCache:
             self.features(input_ids.to(device), attention_mask.to(device))
         return len(todo)
 
-    def _write(self, key: str, context: torch.Tensor, last_hidden: torch.Tensor):
+    def _write(self, key: str, tensors: dict[str, torch.Tensor]):
         final = self.path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        tensors = {"context": context.contiguous().cpu(), "last_hidden": last_hidden.contiguous().cpu()}
+        tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
         save_file(tensors, str(staging))
         os.replace(staging, final)
 
@@ -162,6 +186,9 @@ class FeatureCache:
         for index, row in enumerate(rows):
             out[index, : row.shape[0]] = row
         return out
+
+
+TEACHER_KEYS = ("teacher_argmax", "teacher_logsumexp")
 
 
 def draft_blocks(drafter, target, input_ids, features: TargetFeatures, layout: BlockLayout):
@@ -191,16 +218,34 @@ def slot_targets(input_ids, features: TargetFeatures, layout: BlockLayout) -> tu
     return data_labels, hidden.gather(1, before)
 
 
+def slot_teacher(features: TargetFeatures, layout: BlockLayout) -> TeacherTop | None:
+    """The teacher's whole-vocabulary argmax and log-sum-exp for every slot (``[B, Q]`` each), where the features
+    carry them: the rows `slot_targets` takes ``teacher_hidden`` from."""
+    if features.teacher is None:
+        return None
+    positions = block_label_positions(features.last_hidden.shape[1], layout).flatten(1)
+    before = (positions - 1).clamp(min=0)
+    return TeacherTop(features.teacher.argmax.gather(1, before), features.teacher.logsumexp.gather(1, before))
+
+
 @torch.no_grad()
-def draft_top1(target, hidden: torch.Tensor, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_top1(
+    target, hidden: torch.Tensor, chunk_size: int = 1024, draft_vocab: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(argmax [B, Q], top probability [B, Q])`` of the drafter's distributions, projected with the target's
-    output head ``chunk_size`` rows at a time so that a large vocabulary never materialises for every row."""
+    output head (only the ``draft_vocab`` rows when the drafter has one, as at inference) ``chunk_size`` rows at a
+    time so that a large vocabulary never materialises for every row."""
     head = target.get_output_embeddings()
-    rows = hidden.flatten(0, 1).to(head.weight.dtype)
+    weight, bias = head.weight, head.bias
+    vocab = None
+    if draft_vocab is not None:
+        vocab = torch.as_tensor(draft_vocab, dtype=torch.long, device=weight.device)
+        weight, bias = weight.index_select(0, vocab), None if bias is None else bias.index_select(0, vocab)
+    rows = hidden.flatten(0, 1).to(weight.dtype)
     argmax, top = [], []
     for start in range(0, rows.shape[0], chunk_size):
-        probs = head(rows[start : start + chunk_size]).float().softmax(-1)
+        probs = torch.nn.functional.linear(rows[start : start + chunk_size], weight, bias).float().softmax(-1)
         values, indices = probs.max(-1)
-        argmax.append(indices)
+        argmax.append(indices if vocab is None else vocab[indices])
         top.append(values)
     return torch.cat(argmax).view(hidden.shape[:2]), torch.cat(top).view(hidden.shape[:2])

@@ -72,7 +72,9 @@ def init_length_head(
             features = target_features(target, input_ids, attention_mask, drafter.config.target_layer_ids)
             # The drafter is frozen, so this forward builds a graph for the head only (it reads detached states).
             output = draft_blocks(drafter, target, input_ids, features, layout)
-            draft_argmax, confidence = draft_top1(target, output.last_hidden_state)
+            draft_argmax, confidence = draft_top1(
+                target, output.last_hidden_state, draft_vocab=drafter.config.draft_vocab
+            )
             data_labels, _ = slot_targets(input_ids, features, layout)
             # Labels ignore the loss mask (docs/algorithm.md §6.2); slots past the sequence end count as misses.
             inside = block_supervised_mask(attention_mask, layout)

@@ -40,12 +40,42 @@ class RowStatistics:
     student_max_prob: torch.Tensor
 
 
-def _chunk_statistics(student_hidden, teacher_hidden, data_labels, weight, bias, temperature, divergences):
+@dataclass
+class TeacherTop:
+    """The teacher's full-vocabulary argmax and log-sum-exp of its logits per row (``[M]`` each): all a
+    reduced-vocabulary loss needs of the whole vocabulary (`adaflash_hf.training.FeatureCache` stores them)."""
+
+    argmax: torch.LongTensor
+    logsumexp: torch.Tensor
+
+
+@torch.no_grad()
+def teacher_top(teacher_hidden, weight, bias=None, chunk_size: int = 1024) -> TeacherTop:
+    """`TeacherTop` of ``teacher_hidden [M, H]`` under the head ``weight [V, H]``, ``chunk_size`` rows at a time."""
+    argmax, lse = [], []
+    for start in range(0, max(teacher_hidden.shape[0], 1), chunk_size):
+        logits = F.linear(teacher_hidden[start : start + chunk_size].to(weight.dtype), weight, bias).float()
+        argmax.append(logits.argmax(dim=-1))
+        lse.append(logits.logsumexp(dim=-1))
+    return TeacherTop(torch.cat(argmax), torch.cat(lse))
+
+
+def _chunk_statistics(
+    student_hidden, teacher_hidden, data_labels, weight, bias, temperature, divergences, vocab=None, top=None
+):
+    """Row statistics of one chunk. With a draft vocabulary, ``weight``/``bias`` are its rows only, ``data_labels``
+    and ``top.argmax`` are already mapped to its indices (-1: outside it), and ``top.logsumexp`` normalises the
+    teacher over the whole vocabulary."""
     student_logits = F.linear(student_hidden.to(weight.dtype), weight, bias).float()
     with torch.no_grad():
         teacher_logits = F.linear(teacher_hidden.to(weight.dtype), weight, bias).float()
-        teacher_argmax = teacher_logits.argmax(dim=-1)
-        teacher_logp = F.log_softmax(teacher_logits / temperature, dim=-1) if divergences else None
+        if top is None:
+            teacher_argmax = teacher_logits.argmax(dim=-1)
+            teacher_logp = F.log_softmax(teacher_logits / temperature, dim=-1) if divergences else None
+        else:
+            teacher_argmax = top.argmax
+            # log p_T over the draft vocabulary's rows, normalised over the whole vocabulary.
+            teacher_logp = teacher_logits / temperature - top.logsumexp.unsqueeze(-1)
     student_logp_raw = F.log_softmax(student_logits, dim=-1)
     student_logp = F.log_softmax(student_logits / temperature, dim=-1) if temperature != 1.0 else student_logp_raw
     scale = temperature**2
@@ -58,15 +88,26 @@ def _chunk_statistics(student_hidden, teacher_hidden, data_labels, weight, bias,
         # The gradient flows through p_S only; log p_T is a constant, as in the reference `kl_div(log p_T, p_S)`.
         reverse_kl = scale * (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
     top_logp, student_argmax = student_logp_raw.detach().max(dim=-1)
-    return (
-        F.nll_loss(student_logp_raw, teacher_argmax, reduction="none"),
-        F.nll_loss(student_logp_raw, data_labels, reduction="none"),
-        forward_kl,
-        reverse_kl,
-        student_argmax,
-        teacher_argmax,
-        top_logp.exp(),
-    )
+    ce_teacher = _nll(student_logp_raw, teacher_argmax)
+    ce_data = _nll(student_logp_raw, data_labels)
+    if vocab is not None:  # back to target token ids
+        student_argmax = vocab[student_argmax]
+        teacher_argmax = top.full_argmax
+    return (ce_teacher, ce_data, forward_kl, reverse_kl, student_argmax, teacher_argmax, top_logp.exp())
+
+
+def _nll(logp: torch.Tensor, labels: torch.LongTensor) -> torch.Tensor:
+    """Per-row negative log-likelihood; 0 for labels outside a draft vocabulary (-1), which no draft can match."""
+    inside = labels >= 0
+    nll = F.nll_loss(logp, labels.clamp(min=0), reduction="none")
+    return torch.where(inside, nll, torch.zeros_like(nll))
+
+
+@dataclass
+class _MappedTop:
+    argmax: torch.LongTensor  # in draft-vocabulary indices, -1 outside it
+    logsumexp: torch.Tensor
+    full_argmax: torch.LongTensor  # target token ids
 
 
 def row_statistics(
@@ -79,6 +120,8 @@ def row_statistics(
     chunk_size: int = 1024,
     divergences: tuple[str, ...] = ("forward_kl", "reverse_kl"),
     checkpointing: bool = True,
+    draft_vocab: torch.LongTensor | None = None,
+    teacher: TeacherTop | None = None,
 ) -> RowStatistics:
     """Projects ``M`` rows through the (frozen) output head chunk by chunk and returns `RowStatistics`.
 
@@ -93,13 +136,41 @@ def row_statistics(
             zeros); `LOSS_DIVERGENCES` names what each loss type needs.
         checkpointing (`bool`): recompute each chunk's ``[chunk, V]`` logits in backward instead of keeping them
             (bounded memory; about 1.6x the loss time on a CPU, where memory is rarely the limit).
+        draft_vocab (`[V_d]`, *optional*): the drafter's reduced vocabulary (``AdaFlashConfig.draft_vocab``). The
+            student is a distribution over these tokens only, as at inference: its logits use only these rows of
+            the head (``V_d / V`` of the cost). The teacher stays the whole-vocabulary target: its argmax and
+            log-sum-exp come from ``teacher`` (or one no-grad pass over the whole head), so the reverse KL is exact
+            (the student has no mass elsewhere); the forward KL covers the draft vocabulary's share of the teacher;
+            a cross-entropy whose label lies outside the draft vocabulary is 0 (no draft can match it).
+        teacher (`TeacherTop`, *optional*): the teacher's whole-vocabulary argmax and log-sum-exp per row, when the
+            caller has them (stored features); only read with ``draft_vocab`` at temperature 1.
     """
     weight = lm_head_weight.detach()
     bias = lm_head_bias.detach() if lm_head_bias is not None else None
+    top = None
+    if draft_vocab is not None:
+        draft_vocab = draft_vocab.to(weight.device)
+        if teacher is None or temperature != 1.0:
+            # The teacher's normaliser at the loss temperature (stored statistics are at temperature 1).
+            scaled = (
+                (weight, bias)
+                if temperature == 1.0
+                else (weight / temperature, None if bias is None else bias / temperature)
+            )
+            teacher = teacher_top(teacher_hidden.detach(), *scaled)
+        index = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+        index[draft_vocab] = torch.arange(draft_vocab.shape[0], device=weight.device)
+        data_labels = index[data_labels]
+        top = _MappedTop(index[teacher.argmax], teacher.logsumexp, teacher.argmax)
+        weight = weight.index_select(0, draft_vocab)
+        bias = None if bias is None else bias.index_select(0, draft_vocab)
     chunks = []
     # At least one (possibly empty) chunk, so a micro-batch without supervised rows still yields [0] tensors.
     for start in range(0, max(student_hidden.shape[0], 1), chunk_size):
         rows = slice(start, start + chunk_size)
+        chunk_top = (
+            None if top is None else _MappedTop(*(t[rows] for t in (top.argmax, top.logsumexp, top.full_argmax)))
+        )
         args = (
             student_hidden[rows],
             teacher_hidden[rows].detach(),
@@ -108,6 +179,8 @@ def row_statistics(
             bias,
             temperature,
             tuple(divergences),
+            draft_vocab,
+            chunk_top,
         )
         if checkpointing and torch.is_grad_enabled() and student_hidden.requires_grad:
             # Recompute the [chunk, V] logits in backward instead of keeping them for every chunk.

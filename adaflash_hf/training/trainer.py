@@ -29,9 +29,10 @@ from trl import DistillationTrainer
 from ..hub import drafter_card_fields, render_model_card
 from .blocks import block_loss_weights, sample_anchors
 from .config import OPDConfig
-from .features import FeatureCache, draft_blocks, slot_targets, target_features
+from .features import FeatureCache, draft_blocks, slot_targets, slot_teacher, target_features
 from .losses import (
     LOSS_DIVERGENCES,
+    TeacherTop,
     accepted_drafts,
     drafting_loss,
     length_head_labels,
@@ -392,6 +393,12 @@ class OPDTrainer(DistillationTrainer):
         supervised = weights > 0
         data_labels, teacher_hidden = slot_targets(input_ids, features, layout)
         head = target.get_output_embeddings()
+        draft_vocab, teacher = None, None
+        if config.draft_vocab is not None:  # the student drafts over its reduced vocabulary, as at inference
+            draft_vocab = self._draft_vocab_tensor(config.draft_vocab, head.weight.device)
+            teacher = slot_teacher(features, layout)
+            if teacher is not None:
+                teacher = TeacherTop(teacher.argmax[supervised], teacher.logsumexp[supervised])
         stats = row_statistics(
             output.last_hidden_state[supervised],
             teacher_hidden[supervised],
@@ -402,6 +409,8 @@ class OPDTrainer(DistillationTrainer):
             chunk_size=args.loss_chunk_size,
             divergences=LOSS_DIVERGENCES[args.loss_type],
             checkpointing=args.loss_checkpointing,
+            draft_vocab=draft_vocab,
+            teacher=teacher,
         )
         loss, parts = drafting_loss(
             stats, weights[supervised], args.loss_type, args.alpha, args.clip_tau, args.clip_mode
@@ -436,6 +445,14 @@ class OPDTrainer(DistillationTrainer):
                 loss = loss + head_loss
                 metrics["loss/length_head"] = head_loss.detach()
         return loss, metrics
+
+    def _draft_vocab_tensor(self, ids: list[int], device) -> torch.Tensor:
+        """The drafter's draft vocabulary as a tensor, built once per run (the config's list does not change)."""
+        cached = getattr(self, "_draft_vocab_cache", None)
+        if cached is None or cached[0] is not ids or cached[1].device != torch.device(device):
+            cached = (ids, torch.tensor(ids, dtype=torch.long, device=device))
+            self._draft_vocab_cache = cached
+        return cached[1]
 
     # ------------------------------------------------------------------ cards
 
