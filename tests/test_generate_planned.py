@@ -212,3 +212,79 @@ def test_the_cost_table_is_kept_per_pair_for_the_process():
     assert planner_module.cost_table(target, first, torch.device("cpu"), torch.float32) is table
     assert planner_module.cost_table(target, second, torch.device("cpu"), torch.float32) is not table
     assert planner_module.cost_table(target, first, torch.device("cpu"), torch.bfloat16) is not table
+
+
+# ------------------------------------------------------------------ with a length head
+
+
+def _head_planner(step_s: dict, rows: int = 1, **table) -> VerificationPlanner:
+    return VerificationPlanner(
+        CostTable(step_s=dict(step_s), **table),
+        block_size=16,
+        batch_size=rows,
+        device=torch.device("cpu"),
+        length_head=True,
+    )
+
+
+def test_with_a_length_head_the_width_follows_each_blocks_prediction():
+    # widths 2..16 measured, a CPU-like cost: 16 tokens cost twice a plain step, the drafter a third of one
+    costs = {(1, 1): 1.0, **{(1, w): 1.3 + 0.05 * w for w in range(2, 17)}}
+    planner = _head_planner(costs)
+    drafts = torch.tensor([15])
+    # a block the head expects to be accepted whole is verified whole; one it expects to fail at once, short
+    assert int(planner.refine([0], torch.tensor([15 / 16]), drafts)[0]) >= 12
+    assert int(planner.refine([0], torch.tensor([1 / 16]), drafts)[0]) == 1
+    middle = int(planner.refine([0], torch.tensor([4 / 16]), drafts)[0])
+    assert 2 <= middle <= 8
+    assert planner.last_prediction["predicted_tokens"] > 1
+    # a row's token budget still caps it
+    assert int(planner.refine([0], torch.tensor([15 / 16]), torch.tensor([3]))[0]) == 3
+
+
+def test_with_a_length_head_it_drafts_while_drafted_steps_beat_plain_ones_and_probes_otherwise():
+    costs = {(1, 1): 1.0, (1, 2): 1.4, (1, 16): 2.3}
+    assert _head_planner(costs, drafted_speedup={1: 1.3}).width([0], 16) == 16  # drafts: refine cuts the block
+    losing = _head_planner(costs, drafted_speedup={1: 0.7})
+    widths = []
+    for _ in range(30):
+        losing.begin()
+        width = losing.width([0], 16)
+        widths.append(width)
+        losing.observe([0], width, [0], [width - 1])
+        losing.table.drafted_speedup = {1: 0.7}  # hold the measured speedup still
+    probes = [i for i, w in enumerate(widths) if w > 1]
+    assert widths[0] == 1 and probes  # plain while drafting loses, with probes
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps)  # ever rarer
+    # the first drafted step of a pair (nothing drafted measured) verifies the cheapest drafted width
+    fresh = _head_planner({(1, 1): 1.0})
+    assert fresh.width([0], 16) == 16 and int(fresh.refine([0], torch.tensor([0.9]), torch.tensor([15]))[0]) == 1
+
+
+def test_the_head_calibration_follows_what_the_target_accepts():
+    costs = {(1, 1): 1.0, **{(1, w): 1.3 + 0.05 * w for w in range(2, 17)}}
+    planner = _head_planner(costs)
+    for _ in range(20):  # the head promises long blocks, the target accepts one draft of each
+        planner.begin()
+        drafts = planner.refine([0], torch.tensor([12 / 16]), torch.tensor([15]))
+        planner.observe([0], int(drafts[0]) + 1, [1], [int(drafts[0])])
+        planner.table.step_s = dict(costs)
+    assert planner.table.head_scale < 0.5
+    assert int(planner.refine([0], torch.tensor([12 / 16]), torch.tensor([15]))[0]) <= 4
+
+
+def test_the_planner_with_a_length_head_is_exact():
+    target = tiny_target()
+    prompts = PROMPTS[:3]
+    references = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    ids, mask = left_pad(prompts)
+    full = [p + r for p, r in zip(prompts, references)]
+    for drafter in (
+        tiny_drafter(target, use_length_head=True),
+        oracle_drafter(target, full, use_length_head=True, corrupt=lambda row, anchor: {1 + (row + anchor) % 5}),
+    ):
+        for _ in range(2):
+            out, stats = _generate(target, drafter, ids, mask, None)
+            assert rows_of(out, prompts) == references
+    assert any(step.verify_width > 1 for step in stats.steps)

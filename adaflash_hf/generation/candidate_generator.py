@@ -38,12 +38,15 @@ class Drafts:
     logits ``[B, D, V]``: processed drafter logits (float32).
     probs ``[B, D, V]``: softmax of `logits` when sampling, else ``None``.
     num_drafts ``[B]``: drafts to verify (candidate length - 1, capped by the token budget), at most ``D``.
+    length_prediction ``[B]``: the length head's prediction for the block (``(accepted + 1) / block_size``), when the
+    drafter has a head.
     """
 
     tokens: torch.LongTensor
     logits: torch.Tensor
     probs: torch.Tensor | None
     num_drafts: torch.LongTensor
+    length_prediction: torch.Tensor | None = None
 
 
 def _all_true(mask: torch.Tensor | None) -> bool:
@@ -247,7 +250,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             device=anchors.device,
         )
         num_drafts = torch.minimum(candidate_lengths - 1, max_drafts)
-        return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts)
+        return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts, length_prediction)
 
     def _adapter_kwargs(self, batch: int) -> dict:
         if self.adapter_names is None:

@@ -240,7 +240,10 @@ class SpeculativeDecoding:
         self.mask_dtype = next(target.parameters()).dtype  # tree masks are additive, in the target's dtype
         if self.generator.policy.length_policy == "planned":
             table = cost_table(target, drafter, input_ids.device, self.mask_dtype)
-            self.planner = VerificationPlanner(table, self.generator.block_size, batch, input_ids.device)
+            head = getattr(drafter.config, "use_length_head", False)
+            self.planner = VerificationPlanner(
+                table, self.generator.block_size, batch, input_ids.device, length_head=head
+            )
         self.tree_budget = _tree_budget(generation_config, logits_processor, self.window)
 
     # ------------------------------------------------------------------ loop
@@ -311,6 +314,8 @@ class SpeculativeDecoding:
             drafts = generator.draft(
                 anchors, self.next_positions, self.sequences, self.lengths[rows], max_drafts, rows
             )
+            if self.planner is not None and self.planner.length_head and drafts.length_prediction is not None:
+                drafts.num_drafts = self.planner.refine(rows.tolist(), drafts.length_prediction, drafts.num_drafts)
         drafted = self.recorder.clock()
 
         if self.tree_budget is not None and bool(drafts.num_drafts.gt(0).any()):

@@ -24,6 +24,16 @@ no acceptance is observed; a probe (a step of `PROBE_WIDTH` tokens: one draft pe
 is forced after ``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the
 probe did not change the choice, so probing costs a few percent at most when speculation cannot pay.
 
+**With a length head** (a drafter that has AdaFlash's head), the head reads each drafted block and predicts how
+many of its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot.
+The step then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of the
+drafted steps (committed tokens per second, a moving average per row count, head-chosen widths included) with a
+plain step's ``R / S(R, 1)``; probes are forced after plain streaks as above. *After* drafting (`refine`): the width,
+with each row's ``p`` taken from its head prediction instead of its history (a predicted ``a`` accepted drafts is a
+geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor that follows the ratio of accepted to
+expected drafts. The width maximises the same expected rate over ``2 .. block_size`` (the drafter has run; every
+drafted width is costed by the same table).
+
 The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact.
 """
 
@@ -53,6 +63,24 @@ class CostTable:
     step_s: dict[tuple[int, int], float] = field(default_factory=dict)
     acceptance: float = PRIOR_ACCEPTANCE  # pooled per-draft acceptance of the last call
     probe_interval: int = FIRST_PROBE_INTERVAL
+    # rows -> committed tokens per second of drafted steps over a plain step's (rows / S(rows, 1)), moving average
+    drafted_speedup: dict[int, float] = field(default_factory=dict)
+    head_scale: float = 1.0  # calibration of the length head's predicted accepted drafts
+
+    def observe_drafted(self, rows: int, tokens: float, seconds: float) -> None:
+        plain = self.cost(rows, 1)
+        if plain is None:
+            return
+        speedup = (tokens / max(seconds, 1e-9)) / (rows / plain)
+        old = self.drafted_speedup.get(rows)
+        self.drafted_speedup[rows] = speedup if old is None else (1 - EMA) * old + EMA * speedup
+
+    def drafting_speedup(self, rows: int) -> float | None:
+        """How much faster than plain steps drafted steps have committed tokens, at ``rows`` rows (or the nearest
+        measured count); ``None`` before any drafted step."""
+        if not self.drafted_speedup:
+            return None
+        return self.drafted_speedup[min(self.drafted_speedup, key=lambda r: (abs(r - rows), r))]
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         key = (rows, width)
@@ -111,11 +139,17 @@ class VerificationPlanner:
         block_size (`int`): the drafter's block; widths lie in ``[1, block_size]``.
         batch_size (`int`): rows of the call.
         device (`torch.device`): timings synchronise CUDA devices before they read the clock.
+        length_head (`bool`): the drafter has a length head: draft-or-plain by the measured rate of drafted steps,
+            and the width after drafting from the head's predictions (`refine`).
     """
 
-    def __init__(self, table: CostTable, block_size: int, batch_size: int, device: torch.device):
+    def __init__(
+        self, table: CostTable, block_size: int, batch_size: int, device: torch.device, length_head: bool = False
+    ):
         self.table = table
         self.block_size = block_size
+        self.length_head = length_head
+        self._expected_accepted: torch.Tensor | None = None  # per row of the refined step, for the head's calibration
         self.successes = torch.zeros(batch_size, dtype=torch.float64)
         self.trials = torch.zeros(batch_size, dtype=torch.float64)
         self.plain_streak = 0
@@ -153,6 +187,8 @@ class VerificationPlanner:
         self._probing, self.last_prediction = False, None
         if plain is None or max_width == 1:
             width = 1  # measure a plain step first: every other choice is compared with it
+        elif self.length_head:
+            return self._draft_or_plain(count, max_width)
         elif full is None:
             width, self._probing = min(max_width, PROBE_WIDTH), True  # no drafted step measured yet: probe
         else:
@@ -172,6 +208,41 @@ class VerificationPlanner:
             }
         return width
 
+    def _draft_or_plain(self, count: int, max_width: int) -> int:
+        """With a length head: the whole block (for `refine` to cut) when drafted steps have been committing tokens
+        faster than plain steps, or as a probe after a plain streak; else a plain step."""
+        speedup = self.table.drafting_speedup(count)
+        if speedup is None or speedup >= 1.0:
+            return max_width
+        if self.plain_streak >= self.table.probe_interval:
+            self._probing = True
+            return max_width
+        return 1
+
+    def refine(
+        self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor
+    ) -> torch.LongTensor:
+        """The drafts each row verifies once the drafter has run, from its length head's prediction
+        (``length_prediction [R]``: predicted ``(accepted + 1) / block_size``), at most ``num_drafts [R]``."""
+        count, table = len(rows), self.table
+        max_width = int(num_drafts.max()) + 1
+        if max_width <= 2:
+            return num_drafts
+        if table.cost(count, 2) is None:  # no drafted step measured yet: the cheapest one measures one
+            return torch.clamp(num_drafts, max=PROBE_WIDTH - 1)
+        predicted = (length_prediction.double().cpu() * self.block_size - 1).clamp(min=0) * table.head_scale
+        p = (predicted / (1 + predicted)).clamp(0.0, 0.999)
+        powers = p[:, None] ** torch.arange(max_width, dtype=torch.float64)
+        committed = powers.sum(0).cumsum(0).tolist()  # entry w - 1: expected tokens at width w, summed over rows
+        rates = {w: committed[w - 1] / table.cost(count, w) for w in range(2, max_width + 1)}
+        width = max(rates, key=rates.get)
+        if width < max_width and not table.measured(width + 1):
+            width += 1  # measure the next width once (as `width` does)
+        # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j
+        self._expected_accepted = powers[:, 1:width].sum(1)
+        self.last_prediction = {"predicted_step_s": table.cost(count, width), "predicted_tokens": committed[width - 1]}
+        return torch.clamp(num_drafts, max=width - 1)
+
     # ------------------------------------------------------------------ feedback
 
     def begin(self) -> None:
@@ -187,8 +258,14 @@ class VerificationPlanner:
         if width == 1:  # a plain step offers no drafts, so it tells nothing about acceptance
             self.plain_streak += 1
             return seconds
-        index = torch.tensor(rows, dtype=torch.long)
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
+        self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
+        if self._expected_accepted is not None:
+            # the head's predictions, scaled, should expect as many accepted drafts as the target accepts
+            ratio = (float(got.sum()) + 1.0) / (float(self._expected_accepted.sum()) + 1.0)
+            self.table.head_scale = min(max(self.table.head_scale * ratio**EMA, 0.1), 10.0)
+            self._expected_accepted = None
+        index = torch.tensor(rows, dtype=torch.long)
         drafted = out_of > 0  # accepted drafts are successes, a rejection is one failure
         self.successes.index_add_(0, index, torch.where(drafted, got, 0.0))
         self.trials.index_add_(0, index, torch.where(drafted, got + (got < out_of).double(), 0.0))
