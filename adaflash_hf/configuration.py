@@ -142,7 +142,7 @@ class AdaFlashConfig(PreTrainedConfig):
             Copied from the target so that `generate()` and pipelines accept the drafter as an assistant.
         target_model (`str`, *optional*): Hub id or path of the target the drafter was trained for (model cards).
         draft_vocab (`list[int]`, *optional*):
-            A reduced draft vocabulary (EAGLE-3 / FR-Spec style): the target token ids, ascending, that the drafter
+            A reduced draft vocabulary (docs/algorithm.md §1.6): the target token ids, ascending, that the drafter
             may propose. Drafts are projected with only these rows of the target's LM head, which is most of a
             drafter's cost with a large vocabulary; the target still verifies over its whole vocabulary, so
             outputs stay exact (a token outside it simply cannot be drafted). `None` (the default): the whole

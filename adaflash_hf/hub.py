@@ -29,6 +29,12 @@ def drafter_card_fields(drafter, card_data: dict | None = None) -> dict:
         "mask_token_id": config.mask_token_id,
         "length_head": "yes" if config.use_length_head else "no (fixed-length drafting)",
         "length_policy": config.length_policy,
+        "draft_vocab": (
+            "the whole vocabulary"
+            if config.draft_vocab is None
+            else f"{len(config.draft_vocab)} tokens (`adaflash_config.draft_vocab`; SGLang and vLLM draft over the "
+            "whole vocabulary)"
+        ),
         "base_model": getattr(config, "target_model", None),
         "training_recipe": None,
         "acceptance": None,

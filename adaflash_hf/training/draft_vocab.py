@@ -1,4 +1,5 @@
-"""Choosing a reduced draft vocabulary (`AdaFlashConfig.draft_vocab`) from the target's own outputs.
+"""Choosing a reduced draft vocabulary (`AdaFlashConfig.draft_vocab`, docs/algorithm.md §1.6) from the target's own
+outputs.
 
 A drafter proposes tokens; when most of its cost is the LM head over the whole vocabulary (a small drafter, a large
 vocabulary, a CPU), drafting over only the tokens the target actually writes cuts that cost by the vocabulary ratio

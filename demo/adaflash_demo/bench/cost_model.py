@@ -56,10 +56,14 @@ def target_ms(target, batch: int, k: int, context: int, repeats: int) -> float:
 
 @torch.no_grad()
 def drafter_ms(target, drafter, batch: int, context: int, repeats: int) -> dict:
-    """The drafter's decoder layers over one block, and the target's LM head over the block's draft positions (what
-    the drafter's logits cost). In decoding the drafter caches its context, so a step feeds only the features of the
-    tokens committed since the last step; ``NEW_CONTEXT`` of them stand for that (attention over the cached rest is
-    a small part of a few-layer drafter's time)."""
+    """The drafter's decoder layers over one block, and its draft head over the block's draft positions: the target's
+    LM head through `adaflash_hf.generation.draft_head.DraftHead`, as the loop projects drafts (only the rows of the
+    drafter's draft vocabulary when it has one), in float32 and in bfloat16, beside the whole float32 head for
+    reference. In decoding the drafter caches its context, so a step feeds only the features of the tokens committed
+    since the last step; ``NEW_CONTEXT`` of them stand for that (attention over the cached rest is a small part of a
+    few-layer drafter's time)."""
+    from adaflash_hf.generation.draft_head import DraftHead
+
     config = drafter.config
     hidden = config.hidden_size
     features = torch.randn(batch, NEW_CONTEXT, hidden * len(config.target_layer_ids))
@@ -70,18 +74,18 @@ def drafter_ms(target, drafter, batch: int, context: int, repeats: int) -> dict:
     def layers():
         return drafter(noise_embeds=noise, context_hidden_states=features, position_ids=positions).last_hidden_state
 
-    out = layers()
+    out = layers()[:, 1:]
     layers_ms = _median_ms(layers, repeats)
-    head_ms = _median_ms(lambda: head(out[:, 1:]), repeats)
-    # what the loop's draft head uses where it is faster (adaflash_hf/generation/draft_head.py)
-    bf16_weight, bf16_hidden = head.weight.detach().bfloat16(), out[:, 1:].bfloat16()
-    bf16_ms = _median_ms(lambda: torch.nn.functional.linear(bf16_hidden, bf16_weight), repeats)
+    heads = {name: DraftHead(head, name, vocab=config.draft_vocab) for name in ("float32", "bfloat16")}
+    head_ms = {name: _median_ms(lambda h=h: h(out), repeats) for name, h in heads.items()}
     return {
         "layers_ms": layers_ms,
-        "lm_head_ms": head_ms,
-        "lm_head_bf16_ms": bf16_ms,
-        "drafter_ms": layers_ms + head_ms,
-        "drafter_bf16_head_ms": layers_ms + bf16_ms,
+        "lm_head_ms": head_ms["float32"],
+        "lm_head_bf16_ms": head_ms["bfloat16"],
+        "whole_vocab_head_ms": _median_ms(lambda: head(out), repeats),
+        "draft_vocab": None if config.draft_vocab is None else len(config.draft_vocab),
+        "drafter_ms": layers_ms + head_ms["float32"],
+        "drafter_bf16_head_ms": layers_ms + head_ms["bfloat16"],
     }
 
 
@@ -98,7 +102,7 @@ def measure(target, drafter, batch_sizes, lengths, context: int, repeats: int) -
                     "k": k,
                     "target_ms": round(verify, 2),
                     "target_rel": round(verify / plain, 3),
-                    **{key: round(value, 2) for key, value in draft.items()},
+                    **{key: round(v, 2) if isinstance(v, float) else v for key, v in draft.items()},
                     "drafter_rel": round(draft["drafter_ms"] / plain, 3),
                     "drafter_bf16_head_rel": round(draft["drafter_bf16_head_ms"] / plain, 3),
                     "step_rel": round((draft["drafter_ms"] + verify) / plain, 3),
@@ -111,7 +115,7 @@ def measure(target, drafter, batch_sizes, lengths, context: int, repeats: int) -
 def markdown(rows: list[dict]) -> str:
     lengths = sorted({r["k"] for r in rows})
     lines = [
-        "| batch | plain step ms | drafter / plain (layers + LM head ms) | drafter / plain, bf16 head | "
+        "| batch | plain step ms | drafter / plain (layers + draft head ms) | drafter / plain, bf16 draft head | "
         + " | ".join(f"verify {k} / plain" for k in lengths)
         + " |",
         "|---" * (4 + len(lengths)) + "|",
