@@ -142,3 +142,24 @@ def test_answer_shards_restrict_training_and_name_missing_ones(tmp_path):
     assert [r["prompt_ids"] for r in recipe.load_answers(layout, "validation")] == [[9]]
     with pytest.raises(FileNotFoundError, match=r"lacks \['shard-0002.jsonl'\].*`answers` stage"):
         recipe.load_answers(layout, shards=[0, 2])
+
+
+def test_draft_vocabulary_comes_from_the_training_answers_with_the_end_of_sequence(tmp_path):
+    config = recipe.RecipeConfig(work_dir=str(tmp_path), draft_vocab_size=3, answer_shards=[0])
+    layout = recipe.Layout(config)
+    layout.answers.mkdir(parents=True)
+    rows = [{"prompt_ids": [50, 50, 50], "completion_ids": [7, 7, 8, 9, 9, 9, 2]}]
+    (layout.answers / "shard-0000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (layout.answers / "shard-0001.jsonl").write_text(json.dumps({"prompt_ids": [1], "completion_ids": [4] * 9}) + "\n")
+    (layout.answers / "validation.jsonl").write_text(
+        json.dumps({"prompt_ids": [1], "completion_ids": [9, 7, 5, 2]}) + "\n"
+    )
+
+    class Tokenizer:
+        eos_token_id = 2
+
+    # prompts and unused shards do not count; the end of sequence is kept even where it is rare
+    vocab = recipe.draft_vocabulary(layout, config, Tokenizer())
+    assert vocab == [2, 7, 9]
+    assert recipe._draft_vocab_report(layout, vocab) == {"size": 3, "validation_coverage": 0.75}
+    assert recipe.draft_vocabulary(layout, recipe.RecipeConfig(work_dir=str(tmp_path)), Tokenizer()) is None
