@@ -63,7 +63,9 @@ def _parameters_on_meta(family: str) -> int:
 
 
 def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    # rstrip: `write` reads outcomes back from a child's stripped stdout, so a cut that ends on a space must not
+    # keep it, or the record and a fresh check differ by that space.
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300].rstrip()
 
 
 def check_family(family: str) -> str:
