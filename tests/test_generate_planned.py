@@ -205,6 +205,48 @@ def test_probes_back_off_while_drafting_cannot_pay():
     assert len(probes) <= 4
 
 
+def test_a_new_call_probes_again_at_the_first_interval_and_keeps_the_measured_costs():
+    # a call of hard prompts backed the probes off; the next call's prompts may draft well, so it looks again soon
+    table = CostTable(step_s={(1, 1): 1.0, (1, 2): 1.4}, drafted_speedup={1: 0.7}, probe_interval=256)
+    planner = VerificationPlanner(table, block_size=16, batch_size=1, device=torch.device("cpu"), length_head=True)
+    assert table.probe_interval == planner_module.FIRST_PROBE_INTERVAL
+    assert table.step_s == {(1, 1): 1.0, (1, 2): 1.4} and table.drafted_speedup == {1: 0.7}
+    widths = []
+    for _ in range(planner_module.FIRST_PROBE_INTERVAL + 1):
+        planner.begin()
+        widths.append(planner.width([0], 16))
+        planner.observe([0], widths[-1], [0], [widths[-1] - 1])
+        table.drafted_speedup = {1: 0.7}
+    assert widths[-1] > 1 and set(widths[:-1]) == {1}
+
+
+def test_a_step_marked_untimed_leaves_the_costs_alone_but_counts_its_acceptance():
+    planner = _planner({(1, 1): 1.0, (1, 2): 1.4}, acceptance=0.5)
+    planner.begin()
+    planner.untimed()  # e.g. the draft head timed its dtypes during this step's draft
+    planner.observe([0], 3, [2], [2])
+    assert (1, 3) not in planner.table.step_s and planner.table.drafted_speedup == {}
+    assert float(planner.successes[0]) == 2.0
+    planner.begin()
+    planner.observe([0], 3, [2], [2])  # the mark lasts one step
+    assert (1, 3) in planner.table.step_s
+
+
+def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monkeypatch):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    marked = []
+    monkeypatch.setattr(VerificationPlanner, "untimed", lambda self: marked.append(True))
+    monkeypatch.setattr(planner_module, "FIRST_PROBE_INTERVAL", 1)
+    config = GenerationConfig(
+        max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD, adaflash_length_policy="planned"
+    )
+    adaflash_hf.generation.draft_head._CHOICES.clear()
+    target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
+    # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype: those drafts are marked
+    assert 0 < len(marked) <= 2 * adaflash_hf.generation.draft_head.TRIALS
+
+
 def test_the_cost_table_is_kept_per_pair_for_the_process():
     target = tiny_target()
     first, second = tiny_drafter(target), tiny_drafter(target)

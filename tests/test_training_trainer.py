@@ -51,7 +51,17 @@ def test_opd_training_raises_acceptance_and_the_checkpoint_reloads(target, token
     reloaded = AdaFlashDrafter.from_pretrained(checkpoint)
     assert _acceptance(target, reloaded, eval_prompts) == pytest.approx(after)
     logged = {key for entry in trainer.state.log_history for key in entry}
-    assert {"loss/ce", "loss/reverse_kl", "loss/clip_ratio", "draft_accuracy", "acceptance_length"} <= logged
+    assert {
+        "loss/ce",
+        "loss/reverse_kl",
+        "loss/clip_ratio",
+        "draft_accuracy",
+        "acceptance_length",
+        "step_acceptance_length",
+    } <= logged
+    # the loop's estimate is the blocks' harmonic mean: never above their arithmetic mean, and above 1 once it learns
+    pairs = [(e["step_acceptance_length"], e["acceptance_length"]) for e in trainer.state.log_history if "loss" in e]
+    assert all(1.0 <= step <= mean + 1e-6 for step, mean in pairs) and pairs[-1][0] > 1.0
     assert (tmp_path / "rollouts" / "round-00000").is_dir()
     card = (tmp_path / "README.md").read_text()
     assert "block size | 8" in card and "loss_type=opd" in card and "2306.13649" in card  # the `_paper` citation

@@ -311,6 +311,8 @@ class SpeculativeDecoding:
             # a plain step: the drafter does not run, and its context waits for the next draft
             drafts = generator.skip(anchors)
         else:
+            if self.planner is not None and generator.draft_head.dtype is None:
+                self.planner.untimed()  # the draft head still times its dtypes in this draft
             drafts = generator.draft(
                 anchors, self.next_positions, self.sequences, self.lengths[rows], max_drafts, rows
             )

@@ -156,7 +156,12 @@ class VerificationPlanner:
         self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self._started: float | None = None
         self._probing = False
+        self._untimed = False
         self.last_prediction: dict | None = None
+        # The probe back-off is about the content being generated, which a new call changes: its prompts may draft
+        # well where the last call's did not (a process that served hard prompts first would otherwise wait up to
+        # `MAX_PROBE_INTERVAL` plain steps before it looks again). The measured costs stay: they are the machine's.
+        table.probe_interval = FIRST_PROBE_INTERVAL
 
     # ------------------------------------------------------------------ choice
 
@@ -250,16 +255,25 @@ class VerificationPlanner:
         self._sync()
         self._started = time.perf_counter()
 
+    def untimed(self) -> None:
+        """Keeps the next observed step out of the cost table: it ran a one-off cost (the draft head's dtype trials
+        of a process's first drafts time bfloat16 products that can cost 5x the float32 ones), and a width is
+        measured once (`width`), so one such step would price that width for the rest of the process."""
+        self._untimed = True
+
     def observe(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> float:
         """Records the step just run (started at the last `begin`); returns its measured seconds."""
         self._sync()
         seconds = time.perf_counter() - self._started
-        self.table.observe(len(rows), width, seconds)
+        timed, self._untimed = not self._untimed, False
+        if timed:
+            self.table.observe(len(rows), width, seconds)
         if width == 1:  # a plain step offers no drafts, so it tells nothing about acceptance
             self.plain_streak += 1
             return seconds
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
-        self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
+        if timed:
+            self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
         if self._expected_accepted is not None:
             # the head's predictions, scaled, should expect as many accepted drafts as the target accepts
             ratio = (float(got.sum()) + 1.0) / (float(self._expected_accepted.sum()) + 1.0)
