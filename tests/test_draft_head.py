@@ -1,6 +1,8 @@
 """The draft head's dtype: a bfloat16 copy of a float32 target's LM head projects the drafts when it is measured
 faster, and output stays exactly the target's (greedy identity here; sampling in test_generate_sampling.py)."""
 
+import threading
+
 import pytest
 import torch
 from helpers import oracle_drafter, tiny_drafter, tiny_target
@@ -80,6 +82,36 @@ def test_auto_measures_in_use_alternating_once_per_head_and_refreshes_the_copy(m
         head.weight.mul_(2.0)  # an in-place change (training) must not leave a stale copy in use
     after = draft_head._project(head, torch.ones(1, 1, head.weight.shape[1]), torch.bfloat16, None)
     torch.testing.assert_close(after, 2 * before, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_trials_shared_by_concurrent_generations_decide_once(monkeypatch):
+    head = tiny_target(seed=5).get_output_embeddings()
+    projector = DraftHead(head)
+    hidden = torch.ones(1, 2, head.weight.shape[1])
+    _fake_timing(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.1})
+    for _ in range(2 * draft_head.TRIALS - 1):  # one bfloat16 trial short of a decision
+        projector(hidden)
+    timed, barrier = draft_head._timed, threading.Barrier(2)
+
+    def together(*args):
+        barrier.wait(timeout=30)  # both threads chose their dtype before either records its time
+        return timed(*args)
+
+    monkeypatch.setattr(draft_head, "_timed", together)
+    errors = []
+
+    def call():
+        try:
+            projector(hidden)
+        except Exception as error:  # noqa: BLE001 - the thread's error is the test's result
+            errors.append(error)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and projector.dtype == torch.bfloat16  # both completed the trials; one decided
 
 
 def test_auto_keeps_float32_where_bfloat16_is_not_clearly_faster(monkeypatch):

@@ -29,6 +29,7 @@ logit is ``-inf``; sampling: its draft probability is 0, which rejection samplin
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import weakref
 
@@ -44,6 +45,7 @@ _TRIALS: dict[tuple, dict[torch.dtype, list[float]]] = {}
 # (id of the weight, its version counter, dtype) -> the weight in that dtype (one copy per head, refreshed when the
 # weight changes in place, e.g. during training).
 _COPIES: dict[tuple, torch.Tensor] = {}
+_LOCK = threading.Lock()
 
 
 def resolve_dtype_name(name) -> str:
@@ -148,15 +150,19 @@ class DraftHead:
             return _project(self.head, hidden, dtype, self.vocab)
         weight = self.head.weight
         key = _key(weight, self.vocab)
-        if key not in _TRIALS:
-            _TRIALS[key] = {torch.float32: [], torch.bfloat16: []}
-            weakref.finalize(weight, _forget, id(weight))  # the measurement goes with its weight
-        trials = _TRIALS[key]
-        dtype = min(trials, key=lambda d: len(trials[d]))  # alternate, so both see the same conditions
+        # Generations in several threads share one head and its trials (transformers' generate() is thread-safe per
+        # call), so the bookkeeping is locked; the timed product itself is not.
+        with _LOCK:
+            trials = _TRIALS.get(key)
+            if trials is None:
+                trials = _TRIALS[key] = {torch.float32: [], torch.bfloat16: []}
+                weakref.finalize(weight, _forget, id(weight))  # the measurement goes with its weight
+            dtype = min(trials, key=lambda d: len(trials[d]))  # alternate, so both see the same conditions
         logits, seconds = _timed(self.head, hidden, dtype, self.vocab)
-        trials[dtype].append(seconds / max(hidden.shape[0] * hidden.shape[1], 1))
-        if all(len(times) >= TRIALS for times in trials.values()):
-            fp32, bf16 = (statistics.median(trials[d]) for d in (torch.float32, torch.bfloat16))
-            _CHOICES[key] = torch.bfloat16 if bf16 < 0.8 * fp32 else torch.float32
-            del _TRIALS[key]
+        with _LOCK:
+            trials[dtype].append(seconds / max(hidden.shape[0] * hidden.shape[1], 1))
+            if key not in _CHOICES and all(len(times) >= TRIALS for times in trials.values()):
+                fp32, bf16 = (statistics.median(trials[d]) for d in (torch.float32, torch.bfloat16))
+                _CHOICES[key] = torch.bfloat16 if bf16 < 0.8 * fp32 else torch.float32
+                _TRIALS.pop(key, None)
         return logits

@@ -169,9 +169,10 @@ class OPDTrainer(DistillationTrainer):
     Logged metrics (training, and with an `eval_` prefix on `eval_dataset`), on target-greedy data:
 
         - `acceptance_length`: accepted drafts + 1 at the sampled anchors, averaged over anchors.
-        - `step_acceptance_length`: the same blocks' harmonic mean, an estimate of the acceptance length the decoding
-          loop measures (tokens per verification). The anchor average overstates it wherever easy and hard stretches
-          alternate, because the loop crosses an easy stretch in few steps (docs/algorithm.md §4.12).
+        - `step_acceptance_length`: the same blocks' harmonic mean. The acceptance length the decoding loop
+          measures (tokens per verification) lies between the two: the anchor average overstates it wherever easy and
+          hard stretches alternate, because the loop crosses an easy stretch in few steps; the harmonic mean
+          understates it (docs/algorithm.md §4.12).
         - `draft_accuracy`: drafter argmax equal to the teacher's argmax, over every supervised slot.
         - `loss/*`: the loss's parts; `length_head/mae` and `loss/length_head` with a length head.
     """
@@ -434,8 +435,9 @@ class OPDTrainer(DistillationTrainer):
             **{f"loss/{name}": value for name, value in parts.items()},
             "draft_accuracy": (stats.student_argmax == stats.teacher_argmax).float().mean(),
             "acceptance_length": ((accepted + 1) * keep).sum() / keep.sum(),
-            # What the decoding loop sees: it lands on a stretch that accepts k drafts about once per k + 1
-            # positions, so easy stretches weigh less than in the anchor average above (docs/algorithm.md §4.12).
+            # The loop crosses a stretch that accepts k - 1 drafts in about one step per k positions, so it weighs easy
+            # stretches less than the anchor average above; counting a step per k positions is the harmonic mean, a
+            # lower estimate of the loop's acceptance (docs/algorithm.md §4.12).
             "step_acceptance_length": keep.sum() / (keep / (accepted + 1)).sum(),
             "num_blocks": keep.sum(1).mean(),
         }
