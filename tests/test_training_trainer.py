@@ -59,7 +59,8 @@ def test_opd_training_raises_acceptance_and_the_checkpoint_reloads(target, token
         "acceptance_length",
         "step_acceptance_length",
     } <= logged
-    # the loop's estimate is the blocks' harmonic mean: never above their arithmetic mean, and above 1 once it learns
+    # the harmonic mean of the blocks (a lower estimate of the loop's): never above their anchor average, above 1 once
+    # the drafter learns
     pairs = [(e["step_acceptance_length"], e["acceptance_length"]) for e in trainer.state.log_history if "loss" in e]
     assert all(1.0 <= step <= mean + 1e-6 for step, mean in pairs) and pairs[-1][0] > 1.0
     assert (tmp_path / "rollouts" / "round-00000").is_dir()
