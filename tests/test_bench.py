@@ -110,3 +110,28 @@ def test_methods_keep_their_policy_when_the_targets_generation_config_comes_from
     )
     fixed = next(r for r in records if r.method == "adaflash_fixed")
     assert fixed.verified_per_emitted > 4  # 8-token blocks, a random drafter: about 8 verified per emitted token
+
+
+def test_linear_suffix_runs_a_method_without_the_measured_verification_layout(word_tokenizer):
+    from adaflash_demo.bench.harness import method_kwargs
+
+    target = tiny_target()
+    target.generation_config.pad_token_id = 2
+    drafter = tiny_drafter(target)
+    assert method_kwargs("adaflash_planned_linear", drafter) == {
+        "assistant_model": drafter,
+        "adaflash_length_policy": "planned",
+        "adaflash_verify_layout": "linear",
+    }
+    assert method_kwargs("adaflash_tree16_linear", drafter)["adaflash_tree_budget"] == 16
+    word_tokenizer.padding_side = "left"
+    records = run_benchmark(
+        target,
+        word_tokenizer,
+        {"letters": ["abcabcab", "hello world"]},
+        drafter=drafter,
+        methods=("plain", "adaflash_fixed_linear", "adaflash_fixed"),
+        max_new_tokens=12,
+    )
+    assert {r.method for r in records} == {"plain", "adaflash_fixed_linear", "adaflash_fixed"}
+    assert all(r.identical_fraction == 1.0 for r in records)

@@ -242,6 +242,7 @@ def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monke
         max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD, adaflash_length_policy="planned"
     )
     adaflash_hf.generation.draft_head._CHOICES.clear()
+    config.adaflash_verify_layout = "linear"  # no layout trials: every mark is a dtype trial (test_verify_layout.py)
     target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype: those drafts are marked
     assert 0 < len(marked) <= 2 * adaflash_hf.generation.draft_head.TRIALS

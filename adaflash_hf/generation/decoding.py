@@ -35,6 +35,7 @@ from .planner import VerificationPlanner, cost_table
 from .processing import check_processors, ids_independent, process_positions
 from .stats import CallRecorder
 from .tree import build_trees, tree_attention_mask, walk_trees
+from .verify_layout import VerifyLayout
 
 COMPACT_FRACTION = 0.5  # compact the target cache once holes exceed this fraction of its columns
 # Cache layers the batched loop may mask, compact, select and rebuild; other kinds are refused at batch > 1.
@@ -245,6 +246,7 @@ class SpeculativeDecoding:
                 table, self.generator.block_size, batch, input_ids.device, length_head=head
             )
         self.tree_budget = _tree_budget(generation_config, logits_processor, self.window)
+        self.verify_layout = VerifyLayout(target, getattr(generation_config, "adaflash_verify_layout", None))
 
     # ------------------------------------------------------------------ loop
 
@@ -379,14 +381,17 @@ class SpeculativeDecoding:
         """One target forward over ``verify_ids [B, W]`` against the cache; returns ``(outputs, raw, processed,
         clock)``: the float32 logits as they are and as the processors leave them (position ``i`` seeing ``tokens[:,
         :i]``), and the recorder's clock after the forward."""
-        outputs = self.target(
-            input_ids=verify_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=self.hidden_layers,
-        )
+        with self.verify_layout.forward(verify_ids.numel()) as trial:
+            outputs = self.target(
+                input_ids=verify_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=self.cache,
+                use_cache=True,
+                output_hidden_states=self.hidden_layers,
+            )
+        if trial and self.planner is not None:
+            self.planner.untimed()  # this forward timed a GEMM layout (`verify_layout.py`), possibly the slow one
         verified = self.recorder.clock()
         raw = outputs.logits.float()
         processed, _ = process_positions(

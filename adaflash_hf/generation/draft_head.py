@@ -10,7 +10,7 @@ more than the CPU: on an Intel machine with AMX (an earlier session's measuremen
 15 positions in 2.8 ms in bfloat16 against 12.8 ms in float32, while inside the decoding loop, between target
 forwards, the same bfloat16 product took 75-84 ms and float32 14-26 ms. So the choice is measured where it is used:
 the first `TRIALS` calls of each dtype inside generation, alternating, timed per projected position; then the faster
-one (by median, bfloat16 only if it wins by 20%) is kept for the process and head.
+one (by median, bfloat16 only if it wins by 20%) is kept for the process and head (`measured.py`).
 
 Lossless either way: the drafts only *propose* tokens. Greedy verification keeps a draft only if it equals the
 float32 target's own choice; sampling draws the drafts from the distribution these logits define and accepts them
@@ -28,24 +28,23 @@ logit is ``-inf``; sampling: its draft probability is 0, which rejection samplin
 
 from __future__ import annotations
 
-import statistics
-import threading
 import time
 import weakref
 
 import torch
 
+from .measured import MeasuredChoice
+
 DRAFT_HEAD_CHOICES = ("auto", "same")
 
 TRIALS = 3  # timed calls of each dtype before "auto" decides
-# (id of the weight, its version counter, device) -> the chosen dtype; measured once per process.
-_CHOICES: dict[tuple, torch.dtype] = {}
-# the same key -> {dtype: [seconds per projected position, ...]} while "auto" is still measuring
-_TRIALS: dict[tuple, dict[torch.dtype, list[float]]] = {}
+# (id of the weight, its version counter, device, shape, vocabulary) -> float32 or bfloat16, measured once per process
+# (seconds per projected position); bfloat16 only if it wins by 20%.
+_DTYPES = MeasuredChoice(torch.float32, torch.bfloat16, trials=TRIALS, margin=0.8)
+_CHOICES = _DTYPES.choices
 # (id of the weight, its version counter, dtype) -> the weight in that dtype (one copy per head, refreshed when the
 # weight changes in place, e.g. during training).
 _COPIES: dict[tuple, torch.Tensor] = {}
-_LOCK = threading.Lock()
 
 
 def resolve_dtype_name(name) -> str:
@@ -88,9 +87,9 @@ def _copy(weight: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None = None)
 
 
 def _forget(weight_id: int) -> None:
-    for table in (_COPIES, _CHOICES, _TRIALS):
-        for key in [k for k in table if k[0] == weight_id]:
-            del table[key]
+    for key in [k for k in _COPIES if k[0] == weight_id]:
+        del _COPIES[key]
+    _DTYPES.forget(lambda key: key[0] == weight_id)
 
 
 def _project(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None) -> torch.Tensor:
@@ -148,21 +147,8 @@ class DraftHead:
         dtype = self.dtype
         if dtype is not None:
             return _project(self.head, hidden, dtype, self.vocab)
-        weight = self.head.weight
-        key = _key(weight, self.vocab)
-        # Generations in several threads share one head and its trials (transformers' generate() is thread-safe per
-        # call), so the bookkeeping is locked; the timed product itself is not.
-        with _LOCK:
-            trials = _TRIALS.get(key)
-            if trials is None:
-                trials = _TRIALS[key] = {torch.float32: [], torch.bfloat16: []}
-                weakref.finalize(weight, _forget, id(weight))  # the measurement goes with its weight
-            dtype = min(trials, key=lambda d: len(trials[d]))  # alternate, so both see the same conditions
+        key = _key(self.head.weight, self.vocab)
+        dtype = _DTYPES.next_trial(key, owner=self.head.weight)  # the measurement goes with its weight
         logits, seconds = _timed(self.head, hidden, dtype, self.vocab)
-        with _LOCK:
-            trials[dtype].append(seconds / max(hidden.shape[0] * hidden.shape[1], 1))
-            if key not in _CHOICES and all(len(times) >= TRIALS for times in trials.values()):
-                fp32, bf16 = (statistics.median(trials[d]) for d in (torch.float32, torch.bfloat16))
-                _CHOICES[key] = torch.bfloat16 if bf16 < 0.8 * fp32 else torch.float32
-                _TRIALS.pop(key, None)
+        _DTYPES.record(key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
         return logits

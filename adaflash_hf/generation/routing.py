@@ -144,6 +144,12 @@ def _check_transformers_loop(input_ids, stopping_criteria, generation_config) ->
             "adaflash_tree_budget needs adaflash_hf's loop: transformers' assisted-decoding loop verifies one linear "
             "candidate per step. Drop adaflash_decoding_loop='transformers', or drop adaflash_tree_budget."
         )
+    if getattr(generation_config, "adaflash_verify_layout", None) == "transposed":
+        raise ValueError(
+            "adaflash_verify_layout='transposed' needs adaflash_hf's loop: transformers' assisted-decoding loop "
+            "runs its own verification forwards. Drop adaflash_decoding_loop='transformers', or drop "
+            "adaflash_verify_layout."
+        )
     if input_ids.shape[0] > 1:
         raise ValueError(
             f"adaflash_decoding_loop='transformers' runs transformers' assisted-decoding loop, which is batch 1; this "

@@ -3,7 +3,9 @@
 For each batch size B and verified length k it times (median of ``--repeats``, after a warm-up):
 
 * ``target_ms[B][k]``: one target forward of k new tokens per row over a cached context of ``--context`` tokens
-  (k = 1 is a plain decoding step);
+  (k = 1 is a plain decoding step); where ``B * k`` is a token count the loop measures a GEMM layout for
+  (`adaflash_hf.generation.verify_layout.SMALL_TOKENS`), also ``target_transposed_ms``: the same forward with the
+  target's linear layers in the transposed layout;
 * ``drafter_ms[B]``: one drafter forward over a block (features of a few new context tokens + ``block_size`` queries),
   split into its decoder layers and its LM head over the ``block_size - 1`` draft positions.
 
@@ -16,6 +18,7 @@ A step that verifies k tokens costs ``drafter_ms + target_ms[k]``; in units of a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -24,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.generation.verify_layout import SMALL_TOKENS, TransposedLinear
 
 NEW_CONTEXT = 4
 
@@ -39,7 +43,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
-def target_ms(target, batch: int, k: int, context: int, repeats: int) -> float:
+def target_ms(target, batch: int, k: int, context: int, repeats: int, layout: str = "linear") -> float:
     vocab = target.config.vocab_size
     prefix = torch.randint(100, vocab - 100, (batch, context))
     cache = DynamicCache(config=target.config)
@@ -48,7 +52,8 @@ def target_ms(target, batch: int, k: int, context: int, repeats: int) -> float:
     positions = torch.arange(context, context + k).expand(batch, k)
 
     def step():
-        target(input_ids=new, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
+        with TransposedLinear() if layout == "transposed" else contextlib.nullcontext():
+            target(input_ids=new, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
         cache.crop(-k)  # transformers 5.24: crop takes the (negative) number of tokens to drop
 
     return _median_ms(step, repeats)
@@ -96,12 +101,17 @@ def measure(target, drafter, batch_sizes, lengths, context: int, repeats: int) -
         draft = drafter_ms(target, drafter, batch, context, repeats)
         for k in lengths:
             verify = plain if k == 1 else target_ms(target, batch, k, context, repeats)
+            transposed = {}
+            if batch * k in SMALL_TOKENS:
+                ms = target_ms(target, batch, k, context, repeats, layout="transposed")
+                transposed = {"target_transposed_ms": round(ms, 2), "target_transposed_rel": round(ms / plain, 3)}
             rows.append(
                 {
                     "batch_size": batch,
                     "k": k,
                     "target_ms": round(verify, 2),
                     "target_rel": round(verify / plain, 3),
+                    **transposed,
                     **{key: round(v, 2) if isinstance(v, float) else v for key, v in draft.items()},
                     "drafter_rel": round(draft["drafter_ms"] / plain, 3),
                     "drafter_bf16_head_rel": round(draft["drafter_bf16_head_ms"] / plain, 3),
@@ -130,6 +140,15 @@ def markdown(rows: list[dict]) -> str:
             + " | ".join(f"{group[k]['target_rel']:.2f}" for k in lengths)
             + " |"
         )
+        if any("target_transposed_rel" in r for r in group.values()):
+            lines.append(
+                f"| {batch}, transposed layout | | | | "
+                + " | ".join(
+                    f"{group[k]['target_transposed_rel']:.2f}" if "target_transposed_rel" in group[k] else ""
+                    for k in lengths
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ METHODS = (
     "adaflash_tree",
 )
 TREE_BUDGET = 32  # tokens per tree of `adaflash_tree`; `adaflash_tree<N>` (adaflash_tree16, ...) sets another
+LINEAR_SUFFIX = "_linear"  # `adaflash_planned_linear`, ...: the method without the measured verification layout
 BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
 
 
@@ -108,6 +109,10 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
         return {"prompt_lookup_num_tokens": 10}
     if method == "native_dflash":
         return {"assistant_model": drafter, "speculation_type": "dflash"}
+    if method.startswith("adaflash_") and method.endswith(LINEAR_SUFFIX):
+        # the same method with every verification forward in the model's own GEMM layout (verify_layout.py): the A/B
+        # of the layout choice
+        return {**method_kwargs(method.removesuffix(LINEAR_SUFFIX), drafter), "adaflash_verify_layout": "linear"}
     policy = method.removeprefix("adaflash_")
     if policy.startswith("tree"):
         budget = policy.removeprefix("tree")

@@ -1,0 +1,73 @@
+"""A choice between two exact ways of computing the same thing, made by timing both where they run.
+
+Which of two kernels is faster on a CPU cannot be read off the hardware: the draft head's bfloat16 copy of the LM
+head (`draft_head.py`) was 4.6x faster than float32 in a standalone loop on one machine and 3-5x slower inside the
+decoding loop on the same machine; the target's float32 GEMMs on 2-7 tokens (`verify_layout.py`) run 1.4-3x faster
+in one layout than the other inside a forward, which a microbenchmark with the weights in cache does not show. So the
+loop times both where they are used: the first calls of each key alternate between the options (the one timed fewest
+times runs next, so both see the same conditions), and after `trials` timings of each the faster by median is kept
+for the process, the candidate only if it wins by the margin.
+
+Generations in several threads may share a key (transformers' generate() is thread-safe per call), so the
+bookkeeping is locked; the timed work itself is not.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import weakref
+from collections.abc import Callable, Hashable
+
+
+class MeasuredChoice:
+    """Per key, ``baseline`` or ``candidate``, whichever the timings of both found faster.
+
+    Args:
+        baseline: the option kept unless the candidate is clearly faster.
+        candidate: the option timed against it.
+        trials (`int`): timings of each option before the key is decided.
+        margin (`float`): the candidate is chosen when its median time is below ``margin`` times the baseline's.
+    """
+
+    def __init__(self, baseline, candidate, trials: int, margin: float):
+        self.baseline, self.candidate = baseline, candidate
+        self.trials_per_option = trials
+        self.margin = margin
+        self.choices: dict[Hashable, object] = {}  # key -> the option kept
+        self.timings: dict[Hashable, dict[object, list[float]]] = {}  # key -> option -> seconds, while measuring
+        self._lock = threading.Lock()
+
+    def chosen(self, key: Hashable):
+        """The option decided for ``key``; ``None`` while it is still measured."""
+        return self.choices.get(key)
+
+    def next_trial(self, key: Hashable, owner=None):
+        """The option the next timed call of ``key`` runs. ``owner``: an object (a weight, a model) whose collection
+        forgets the key's measurement, so that a new object reusing its ``id`` is measured afresh."""
+        with self._lock:
+            timings = self.timings.get(key)
+            if timings is None:
+                timings = self.timings[key] = {self.baseline: [], self.candidate: []}
+                if owner is not None:
+                    weakref.finalize(owner, self.forget, lambda k, key=key: k == key)
+            return min(timings, key=lambda option: len(timings[option]))
+
+    def record(self, key: Hashable, option, seconds: float) -> None:
+        """Adds one timing of ``option``; decides the key once both options have `trials` timings."""
+        with self._lock:
+            timings = self.timings.get(key)
+            if timings is None:  # another thread's timing decided it meanwhile
+                return
+            timings[option].append(seconds)
+            if all(len(times) >= self.trials_per_option for times in timings.values()):
+                baseline, candidate = (statistics.median(timings[o]) for o in (self.baseline, self.candidate))
+                self.choices[key] = self.candidate if candidate < self.margin * baseline else self.baseline
+                del self.timings[key]
+
+    def forget(self, matches: Callable[[Hashable], bool]) -> None:
+        """Drops the choices and measurements of every key ``matches`` accepts."""
+        with self._lock:
+            for table in (self.choices, self.timings):
+                for key in [k for k in table if matches(k)]:
+                    del table[key]

@@ -1,0 +1,110 @@
+"""The GEMM layout of the target's linear layers in a verification forward of a few tokens on a CPU, measured.
+
+A verification forward multiplies the ``M = rows x width`` tokens it verifies by every weight matrix of the target.
+A plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small
+``M > 1``, float32 ``linear`` (``x @ W.T``) takes a GEMM path that, on the 2-core AMD EPYC of BENCHMARKS.md §3, made a
+whole SmolLM2-135M forward of 2 tokens cost 1.8x one of 1 token and 3 tokens 2.2x, as much as 8 or 16 tokens
+(2.0-2.3x): verifying two drafts cost as much as verifying fifteen. The same products in the other layout,
+``(W @ x.T).T``, cost 1.2-1.4x a plain step at 2-4 tokens there, and a plain step of 2 rows 0.56x linear's. Which
+layout wins depends on the BLAS library, the CPU and the memory around the forward, so neither is assumed: for each
+``M`` in `SMALL_TOKENS`, the first verification forwards alternate between the layouts, timed whole in the loop
+(`measured.py`), and the transposed one is kept only if it is at least 10% faster; every other forward runs as the
+model wrote it.
+
+Lossless: both layouts compute the same sums of the same float32 products, in a different order, as any change of
+GEMM shape does (verifying 8 tokens already sums differently from decoding 1); the target still verifies every
+committed token, and greedy outputs are compared with plain ``generate()`` in the tests and in every benchmark.
+
+Only `torch.nn.functional.linear` with a plain float32 CPU weight is rerouted (what `nn.Linear` calls), through a
+`TorchFunctionMode` entered around the verification forward only, which is thread-local and leaves other calls, other
+threads and other dtypes alone. ``GenerationConfig(adaflash_verify_layout=...)`` overrides the choice: ``"auto"``
+(the default, measured), ``"linear"`` (never reroute) or ``"transposed"`` (always, for ``M`` in `SMALL_TOKENS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .measured import MeasuredChoice
+
+VERIFY_LAYOUTS = ("auto", "linear", "transposed")
+SMALL_TOKENS = range(2, 8)  # M = 1 is a matrix-vector product already; from 8 tokens on, linear was as fast or faster
+TRIALS = 2  # timed forwards of each layout per M (a forward is ~50 ms, so trials cost a few tenths of a second)
+
+# (id of the target, M) -> "linear" or "transposed", once per process
+_LAYOUTS = MeasuredChoice("linear", "transposed", trials=TRIALS, margin=0.9)
+
+
+def resolve_layout(name) -> str:
+    """Validates ``adaflash_verify_layout``."""
+    name = "auto" if name is None else name
+    if name not in VERIFY_LAYOUTS:
+        raise ValueError(
+            f"adaflash_verify_layout={name!r} is not one of {', '.join(map(repr, VERIFY_LAYOUTS))} ('auto' measures "
+            "which GEMM layout verifies a few tokens faster on this machine)."
+        )
+    return name
+
+
+class TransposedLinear(TorchFunctionMode):
+    """Computes ``linear(x, W, b)`` as ``(W @ x.T).T + b`` for float32 CPU inputs; everything else runs unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (
+                type(weight) in (torch.Tensor, torch.nn.Parameter)
+                and type(x) is torch.Tensor
+                and weight.dim() == 2
+                and x.dtype == weight.dtype == torch.float32
+                and x.device.type == weight.device.type == "cpu"
+            ):
+                flat = x.reshape(-1, x.shape[-1])
+                out = torch.mm(weight, flat.t()).t().reshape(*x.shape[:-1], weight.shape[0])
+                return out if bias is None else out + bias
+        return func(*args, **kwargs)
+
+
+class VerifyLayout:
+    """The layout of one generate() call's verification forwards.
+
+    Args:
+        target (`PreTrainedModel`): the verifying model; only a float32 model on a CPU is ever rerouted.
+        name (`str`): ``adaflash_verify_layout`` (see the module docstring).
+    """
+
+    def __init__(self, target, name: str = "auto"):
+        self.target = target
+        self.name = resolve_layout(name)
+        parameter = next(target.parameters(), None)
+        cpu_float32 = parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.float32
+        self.active = cpu_float32 and self.name != "linear"
+
+    def layout(self, tokens: int) -> tuple[str, bool]:
+        """``(layout, trial)`` for a forward over ``tokens`` tokens: ``trial`` when this forward times the layout."""
+        if not self.active or tokens not in SMALL_TOKENS:
+            return "linear", False
+        if self.name == "transposed":
+            return "transposed", False
+        key = (id(self.target), tokens)
+        chosen = _LAYOUTS.chosen(key)
+        if chosen is not None:
+            return chosen, False
+        return _LAYOUTS.next_trial(key, owner=self.target), True
+
+    @contextlib.contextmanager
+    def forward(self, tokens: int):
+        """Runs the block's forward in the layout for ``tokens`` tokens; yields whether this forward was a timing
+        trial (a step the planner should not price)."""
+        layout, trial = self.layout(tokens)
+        start = time.perf_counter()
+        with TransposedLinear() if layout == "transposed" else contextlib.nullcontext():
+            yield trial
+        if trial:
+            _LAYOUTS.record((id(self.target), tokens), layout, time.perf_counter() - start)

@@ -1,0 +1,146 @@
+"""The GEMM layout of small verification forwards (`verify_layout.py`): the transposed layout computes what `linear`
+computes, the choice is measured per token count and kept, its timing steps stay out of the planner's cost table, and
+greedy output is plain decoding's in every layout."""
+
+import pytest
+import torch
+from helpers import oracle_drafter, tiny_drafter, tiny_target
+from test_generate_batched import PAD, PROMPTS, left_pad
+from transformers import GenerationConfig
+
+import adaflash_hf
+from adaflash_hf.generation import verify_layout
+from adaflash_hf.generation.measured import MeasuredChoice
+from adaflash_hf.generation.planner import VerificationPlanner
+from adaflash_hf.generation.verify_layout import TransposedLinear, VerifyLayout
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (2, 3, 16), (1, 1, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_transposed_layout_computes_linear(shape, with_bias):
+    torch.manual_seed(0)
+    x, weight = torch.randn(*shape), torch.randn(24, 16)
+    bias = torch.randn(24) if with_bias else None
+    with TransposedLinear():
+        out = torch.nn.functional.linear(x, weight, bias)
+        by_keyword = torch.nn.functional.linear(x, weight=weight, bias=bias)
+    expected = torch.nn.functional.linear(x, weight, bias)
+    assert out.shape == expected.shape == by_keyword.shape
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(by_keyword, expected)
+    # a different summation order, not a different computation: the loop relies on this being the same product
+    torch.testing.assert_close(
+        out, (weight @ x.reshape(-1, 16).T).T.reshape(expected.shape) + (0 if bias is None else bias)
+    )
+
+
+def test_transposed_layout_leaves_other_dtypes_alone():
+    x, weight = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
+    with TransposedLinear():
+        out = torch.nn.functional.linear(x, weight)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight))  # bit for bit: the call ran unchanged
+
+
+def test_measured_choice_alternates_and_keeps_the_candidate_only_when_clearly_faster():
+    choice = MeasuredChoice("a", "b", trials=2, margin=0.9)
+    seen = []
+    for _ in range(4):
+        option = choice.next_trial("fast")
+        seen.append(option)
+        choice.record("fast", option, {"a": 1.0, "b": 0.5}[option])
+    assert seen == ["a", "b", "a", "b"] and choice.chosen("fast") == "b"
+    for _ in range(4):
+        option = choice.next_trial("close")
+        choice.record("close", option, {"a": 1.0, "b": 0.95}[option])
+    assert choice.chosen("close") == "a"  # within the margin: the baseline stays
+    choice.forget(lambda key: key == "fast")
+    assert choice.chosen("fast") is None and choice.chosen("close") == "a"
+
+
+def test_layout_is_measured_per_token_count_and_kept(monkeypatch):
+    target = tiny_target()
+    monkeypatch.setattr(verify_layout, "_LAYOUTS", MeasuredChoice("linear", "transposed", trials=2, margin=0.9))
+    clock = iter(range(1000))
+    monkeypatch.setattr(verify_layout.time, "perf_counter", lambda: next(clock))  # every forward "takes" 1 s
+    layout = VerifyLayout(target)
+    assert layout.layout(1) == ("linear", False) and layout.layout(8) == ("linear", False)  # outside SMALL_TOKENS
+    trials = []
+    for _ in range(2 * verify_layout.TRIALS):
+        with layout.forward(3) as trial:
+            trials.append(trial)
+    assert trials == [True] * (2 * verify_layout.TRIALS)
+    assert layout.layout(3) == ("linear", False)  # equal times: linear kept, no more trials
+    assert layout.layout(4)[1] is True  # another token count is measured on its own
+    assert VerifyLayout(target, "linear").layout(3) == ("linear", False)
+    assert VerifyLayout(target, "transposed").layout(3) == ("transposed", False)
+    assert VerifyLayout(target.to(torch.bfloat16), "transposed").layout(3) == ("linear", False)  # CPU float32 only
+
+
+@pytest.mark.parametrize("name", ["auto", "linear", "transposed"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_output_is_identical_in_every_layout(monkeypatch, name, batch):
+    target = tiny_target()
+    prompts = PROMPTS[:batch]
+    ids, mask = left_pad(prompts)
+    config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    reference = target.generate(ids, attention_mask=mask, generation_config=config)
+    unpadded = [row[ids.shape[1] - len(p) :] for row, p in zip(reference.tolist(), prompts)]
+    rerouted = []
+    original = TransposedLinear.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        rerouted.append(func is torch.nn.functional.linear)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(TransposedLinear, "__torch_function__", spy)
+    config.adaflash_verify_layout = name
+    # blocks of 2 at batch 3 and of 4 at batch 1 verify 2-7 tokens a forward; the oracle's corrupted drafts make
+    # rejections, so the loop crops and continues from every accepted length
+    block = 4 if batch == 1 else 2
+    for drafter in (
+        tiny_drafter(target, block_size=block),
+        oracle_drafter(target, unpadded, corrupt=lambda row, anchor: {anchor % 3 + 1}, block_size=block),
+    ):
+        out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=drafter)
+        assert torch.equal(out, reference)
+    assert any(rerouted) == (name != "linear")
+
+
+def test_layout_trials_stay_out_of_the_planners_cost_table(monkeypatch):
+    target = tiny_target()
+    monkeypatch.setattr(verify_layout, "_LAYOUTS", MeasuredChoice("linear", "transposed", trials=2, margin=0.9))
+    marked = []
+    monkeypatch.setattr(VerificationPlanner, "untimed", lambda self: marked.append(True))
+    config = GenerationConfig(
+        max_new_tokens=20,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=PAD,
+        adaflash_length_policy="fixed",
+        adaflash_draft_head_dtype="same",  # no dtype trials: every mark is a layout trial
+    )
+    drafter = tiny_drafter(target, block_size=3)
+    target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
+    assert marked == []  # the fixed policy has no planner: nothing to keep out (and it decided 3 tokens)
+    config.adaflash_length_policy = "planned"
+    with adaflash_hf.record_stats() as stats:
+        target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
+    probed = {step.verify_width for step in stats.steps} - {1, 3}  # widths the fixed call did not measure
+    # the planner's probes verify 2 tokens: their first forwards are layout trials, kept out of its cost table
+    assert probed == {2} and 0 < len(marked) <= 2 * verify_layout._LAYOUTS.trials_per_option
+
+
+def test_bad_layout_name_is_one_clear_error():
+    target = tiny_target()
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, adaflash_verify_layout="fast")
+    with pytest.raises(ValueError, match="adaflash_verify_layout='fast' is not one of 'auto', 'linear', 'transposed'"):
+        target.generate(torch.tensor([[0, 5, 9]]), generation_config=config, assistant_model=tiny_drafter(target))
+
+
+def test_transformers_loop_refuses_the_transposed_layout():
+    target = tiny_target()
+    config = GenerationConfig(
+        max_new_tokens=4, do_sample=False, adaflash_verify_layout="transposed", adaflash_decoding_loop="transformers"
+    )
+    with pytest.raises(ValueError, match="adaflash_verify_layout='transposed' needs adaflash_hf's loop"):
+        target.generate(torch.tensor([[0, 5, 9]]), generation_config=config, assistant_model=tiny_drafter(target))
