@@ -93,6 +93,12 @@ def _resolve(path_or_repo_id, filename: str, hub_kwargs: dict, required: bool = 
         if not required:
             return None
         raise CheckpointError(f"Cannot find {filename} for {path_or_repo_id!r}: {error}") from error
+    if path is None and required:
+        # transformers' cached_file answers None, not an error, for a file missing from a local folder
+        raise CheckpointError(
+            f"{path_or_repo_id} has no {filename}. A drafter checkpoint folder holds config.json and "
+            "model.safetensors (what save_pretrained writes); pass that folder, or a Hub repo id."
+        )
     if path is not None and os.path.isdir(path_or_repo_id):
         _check_inside(path, path_or_repo_id)
     return path

@@ -267,6 +267,14 @@ def test_missing_checkpoint_dir(tmp_path):
         AdaFlashDrafter.from_pretrained(tmp_path / "nope")
 
 
+def test_folder_without_config_is_one_clear_error(tmp_path):
+    # a folder that exists but holds no checkpoint (e.g. the demo's data folder above its drafter/): transformers'
+    # cached_file answers None for it, which used to surface as a TypeError from open(None)
+    (tmp_path / "prompts").mkdir()
+    with pytest.raises(CheckpointError, match=r"has no config\.json.*holds config\.json and model\.safetensors"):
+        AdaFlashDrafter.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize(
     "target_kwargs,drafter_kwargs,message",
     [
