@@ -180,6 +180,30 @@ def test_a_tree_accepts_what_the_linear_block_cannot():
     assert mean[32] > 1.5 * mean[None]  # the tree takes the right runner-up and goes on
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_planned_trees_verify_the_planners_width_as_a_tree(monkeypatch, batch_size):
+    """With the planner, its width is the tree's budget (within adaflash_tree_budget): the same tokens verified as the
+    linear candidate it chose, at least as many accepted (here exactly as many: the oracle is confident at every
+    depth, so the best 3 nodes are its top-1 path, and the right runner-up at depth 2 would need a 4th), the output
+    plain greedy's."""
+    from test_generate_planned import _forced
+
+    target = tiny_target()
+    prompts = PROMPTS[:batch_size]
+    free = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    ids, mask = left_pad(prompts)
+    oracle = _runner_up_oracle(target, [p + r for p, r in zip(prompts, free)], lambda row, anchor: {2})
+    _forced(monkeypatch, lambda step, rows, max_drafts: [3] * len(rows))  # width 4: the anchor and 3 tokens
+    mean = {}
+    for budget in (None, 16):
+        out, stats = _generate(target, oracle, ids, mask, None, budget, adaflash_length_policy="planned")
+        assert rows_of(out, prompts) == free
+        assert {step.verify_width for step in stats.steps} <= {1, 2, 3, 4}  # the planner's width, not 16
+        mean[budget] = stats.mean_acceptance_length
+    assert mean[None] <= 2.0 + 1e-6  # linear: the anchor's token and one right draft, then the wrong top-1
+    assert mean[16] >= mean[None] - 1e-6
+
+
 def test_output_scores_and_returned_cache_follow_the_accepted_path():
     target = tiny_target()
     prompts = PROMPTS[:3]

@@ -307,6 +307,7 @@ class SpeculativeDecoding:
         if self.window is not None:
             max_drafts = torch.clamp(max_drafts, max=self._room() - 1)
         anchors = self.sequences[rows, self.lengths[rows] - 1]
+        room = max_drafts  # the most drafts each row may verify: its token budget (and window)
         if self.planner is not None:
             max_drafts = self.planner.plan(rows.tolist(), max_drafts)  # within each row's budget
         if self.planner is not None and not bool(max_drafts.gt(0).any()):
@@ -323,7 +324,7 @@ class SpeculativeDecoding:
         drafted = self.recorder.clock()
 
         if self.tree_budget is not None and bool(drafts.num_drafts.gt(0).any()):
-            self._verify_tree(rows, anchors, drafts, start, drafted)
+            self._verify_tree(rows, anchors, drafts, start, drafted, room)
             return
         width = int(drafts.num_drafts.max()) + 1
         draft_tokens = drafts.tokens[:, : width - 1]
@@ -399,15 +400,24 @@ class SpeculativeDecoding:
         )
         return outputs, raw, processed, verified
 
-    def _verify_tree(self, rows, anchors, drafts, start, drafted):
+    def _verify_tree(self, rows, anchors, drafts, start, drafted, room):
         """Tree verification (`tree.py`): one target forward over each row's draft tree, then the accepted path's
         columns (cache, features, logits) are moved to the front of the step's columns, so that committing them is
-        exactly the linear case."""
-        depth = drafts.num_drafts
+        exactly the linear case.
+
+        The length policy's drafts cap each tree's depth and `adaflash_tree_budget` its tokens. With the planner, its
+        width (the tokens it found worth verifying, anchor included) is the budget instead, within
+        `adaflash_tree_budget`, and a tree may reach as deep as the row's `room` ``[B]`` allows (its token budget, the
+        drafted positions): the planner decides how many tokens a step verifies, the tree which ones, and a tree of
+        ``w`` tokens commits at least what the linear ``w`` would in expectation (it holds the likeliest paths)."""
+        depth, budget = drafts.num_drafts, self.tree_budget
+        if self.planner is not None:
+            budget = min(budget, int(depth.max()) + 1)
+            depth = torch.where(depth > 0, room.clamp(max=drafts.logits.shape[1]), 0)
         padded = self._padded_rows()
         if padded is not None:  # plain decoding only pads a stopped row: it gets no tree, its token is padding
             depth = depth.masked_fill(padded, 0)
-        tree = build_trees(drafts.logits, depth, self.tree_budget, self.pad_token_id)
+        tree = build_trees(drafts.logits, depth, budget, self.pad_token_id)
         width, past = tree.width, self.cache.get_seq_length()
         verify_ids = torch.cat([anchors[:, None], tree.tokens], dim=1)
         depths = torch.cat([tree.depths.new_zeros(len(rows), 1), tree.depths], 1)

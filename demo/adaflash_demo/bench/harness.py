@@ -114,14 +114,15 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
         # of the layout choice
         return {**method_kwargs(method.removesuffix(LINEAR_SUFFIX), drafter), "adaflash_verify_layout": "linear"}
     policy = method.removeprefix("adaflash_")
-    if policy.startswith("tree"):
-        budget = policy.removeprefix("tree")
+    if policy.startswith(("tree", "planned_tree")):
+        budget = policy.removeprefix("planned_").removeprefix("tree")
         if budget and not budget.isdigit():
             raise ValueError(f"unknown method {method!r}: adaflash_tree takes a node budget as adaflash_tree<N>")
-        # the whole block as the tree's depth; the budget bounds its nodes
+        # adaflash_tree<N>: the whole block as the tree's depth, the budget bounds its nodes; adaflash_planned_tree<N>:
+        # the planner's width is the budget, within N
         return {
             "assistant_model": drafter,
-            "adaflash_length_policy": "fixed",
+            "adaflash_length_policy": "planned" if policy.startswith("planned") else "fixed",
             "adaflash_tree_budget": int(budget or TREE_BUDGET),
         }
     return {"assistant_model": drafter, "adaflash_length_policy": policy}
