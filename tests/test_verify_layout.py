@@ -41,6 +41,37 @@ def test_transposed_layout_leaves_other_dtypes_alone():
     assert torch.equal(out, torch.nn.functional.linear(x, weight))  # bit for bit: the call ran unchanged
 
 
+def test_the_layout_reroutes_only_the_thread_that_entered_it(monkeypatch):
+    # a server may run plain generate() in one thread while another verifies: only the verifying thread is rerouted
+    import threading
+
+    routed = []
+    original = TransposedLinear.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            routed.append(threading.get_ident())
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(TransposedLinear, "__torch_function__", spy)
+    x, weight = torch.randn(3, 16), torch.randn(24, 16)
+    inside, done = threading.Event(), threading.Event()
+
+    def verifying():
+        with TransposedLinear():
+            torch.nn.functional.linear(x, weight)
+            inside.set()
+            done.wait(timeout=30)  # stays inside the mode while the other thread computes
+
+    thread = threading.Thread(target=verifying)
+    thread.start()
+    assert inside.wait(timeout=30)
+    torch.nn.functional.linear(x, weight)  # this thread, while the other one is inside the mode
+    done.set()
+    thread.join()
+    assert routed == [thread.ident]
+
+
 def test_measured_choice_alternates_and_keeps_the_candidate_only_when_clearly_faster():
     choice = MeasuredChoice("a", "b", trials=2, margin=0.9)
     seen = []
