@@ -36,7 +36,8 @@ class MeasuredChoice:
         self.margin = margin
         self.choices: dict[Hashable, object] = {}  # key -> the option kept
         self.timings: dict[Hashable, dict[object, list[float]]] = {}  # key -> option -> seconds, while measuring
-        self._lock = threading.Lock()
+        # reentrant: `forget` runs from weakref finalizers, which garbage collection may call inside a locked section
+        self._lock = threading.RLock()
 
     def chosen(self, key: Hashable):
         """The option decided for ``key``; ``None`` while it is still measured."""
@@ -63,7 +64,7 @@ class MeasuredChoice:
             if all(len(times) >= self.trials_per_option for times in timings.values()):
                 baseline, candidate = (statistics.median(timings[o]) for o in (self.baseline, self.candidate))
                 self.choices[key] = self.candidate if candidate < self.margin * baseline else self.baseline
-                del self.timings[key]
+                self.timings.pop(key, None)
 
     def forget(self, matches: Callable[[Hashable], bool]) -> None:
         """Drops the choices and measurements of every key ``matches`` accepts."""
