@@ -87,9 +87,9 @@ def _copy(weight: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None = None)
 
 
 def _forget(weight_id: int) -> None:
+    # the dtype measurements are forgotten by `_DTYPES` itself (`MeasuredChoice.next_trial`'s owner)
     for key in [k for k in _COPIES if k[0] == weight_id]:
         del _COPIES[key]
-    _DTYPES.forget(lambda key: key[0] == weight_id)
 
 
 def _project(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None) -> torch.Tensor:
