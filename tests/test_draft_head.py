@@ -123,8 +123,19 @@ def test_auto_keeps_float32_where_bfloat16_is_not_clearly_faster(monkeypatch):
     assert projector.dtype == torch.float32  # within 20%: not worth a copy
 
 
-def test_bad_dtype_name_is_one_clear_error():
+@pytest.mark.parametrize("name", ["bool", "int8", "complex64", "float8_e4m3fn", "fp8ish"])
+def test_dtypes_the_head_cannot_compute_in_are_one_clear_error(name):
     target = tiny_target()
-    config = GenerationConfig(max_new_tokens=4, do_sample=False, adaflash_draft_head_dtype="fp8ish")
-    with pytest.raises(ValueError, match="adaflash_draft_head_dtype='fp8ish' is not 'auto', 'same' or a torch dtype"):
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, adaflash_draft_head_dtype=name)
+    with pytest.raises(ValueError, match=f"adaflash_draft_head_dtype={name!r} is not a dtype the draft head"):
         target.generate(torch.tensor([[0, 5, 9]]), generation_config=config, assistant_model=tiny_drafter(target))
+
+
+@pytest.mark.parametrize("name", ["float16", "torch.bfloat16", "half", "same", "auto"])
+def test_floating_dtypes_and_their_aliases_stay_exact(name):
+    target = tiny_target()
+    ids = torch.tensor([[0, 5, 9, 33]])
+    expected = target.generate(ids, max_new_tokens=10, do_sample=False)
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, adaflash_draft_head_dtype=name)
+    out = target.generate(ids, generation_config=config, assistant_model=tiny_drafter(target))
+    assert torch.equal(out, expected)

@@ -24,6 +24,7 @@ from transformers.cache_utils import DFlashCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
+from .acceptance import leading_true
 from .draft_head import DraftHead
 from .length_policy import LengthPolicy
 from .processing import process_positions, token_chooser
@@ -106,6 +107,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.policy = LengthPolicy.resolve(config, generation_config)
         self.do_sample = bool(generation_config.do_sample)
         self.choose = token_chooser(self.do_sample)
+        self.choose_draft = token_chooser(self.do_sample, drafts=True)
         self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
         self.max_length = generation_config.max_length
         self.adapter_names = adapter_names_for(drafter, generation_config)
@@ -239,9 +241,14 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             hidden = hidden[:, : max(int(torch.minimum(verifiable - 1, max_drafts).max()), 1)]
         logits = self.draft_head(hidden).to(anchors.device)
         logits, tokens = process_positions(
-            self.logits_processor, sequences, lengths, logits, choose=self.choose, rows=rows
+            self.logits_processor, sequences, lengths, logits, choose=self.choose_draft, rows=rows
         )
-        probs = torch.softmax(logits, dim=-1) if self.do_sample or self.policy.needs_confidence else None
+        # where the processors leave no token of the (draft) vocabulary allowed, there is nothing to propose: the
+        # row's drafts end before that position
+        drafting = leading_true(logits.amax(-1) > float("-inf"))
+        probs = None
+        if self.do_sample or self.policy.needs_confidence:
+            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # NaN only past `drafting`, never verified
         candidate_lengths = self.policy.candidate_lengths(
             self.block_size,
             batch,
@@ -249,7 +256,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             draft_confidence=probs.amax(-1) if self.policy.needs_confidence else None,
             device=anchors.device,
         )
-        num_drafts = torch.minimum(candidate_lengths - 1, max_drafts)
+        num_drafts = torch.minimum(torch.minimum(candidate_lengths - 1, max_drafts), drafting)
         return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts, length_prediction)
 
     def _adapter_kwargs(self, batch: int) -> dict:

@@ -25,7 +25,13 @@ by `_check_call` before anything runs.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicCache,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -38,8 +44,22 @@ from .tree import build_trees, tree_attention_mask, walk_trees
 from .verify_layout import VerifyLayout
 
 COMPACT_FRACTION = 0.5  # compact the target cache once holes exceed this fraction of its columns
-# Cache layers the batched loop may mask, compact, select and rebuild; other kinds are refused at batch > 1.
-_BATCHABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
+# Every tensor a cache layer keeps per position, by layer class: attribute -> (batch dim, position dim). Moving a
+# cache column (tree paths to the front, compaction, parking and rebuilding rows) moves all of them together; a
+# layer class not listed here (by exact type: a subclass may keep more) is refused wherever columns move, never
+# moved in part.
+_POSITION_TENSORS = {
+    DynamicLayer: {"keys": (0, 2), "values": (0, 2)},
+    DynamicSlidingWindowLayer: {"keys": (0, 2), "values": (0, 2)},
+    # DeepSeek sparse attention (deepseek_v32, glm_moe_dsa, ...): the indexer scores cached tokens by these keys
+    DynamicIndexedLayer: {
+        "keys": (0, 2),
+        "values": (0, 2),
+        "indexer_keys": (0, 1),
+        "indexer_position_ids": (1, 2),
+    },
+    DummyLayer: {},
+}
 
 
 def _prefill_positions(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.LongTensor:
@@ -111,12 +131,9 @@ def _check_call(target, input_ids, generation_config, logits_processor, streamer
             "from. Pass the cache of the prompt without its last token."
         )
     if batch > 1:
-        others = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, _BATCHABLE_LAYERS)})
-        if others:
-            raise NotImplementedError(
-                f"Batched AdaFlash decoding masks and compacts cache columns, which {others} cache layers do not "
-                "support; generate one row per call."
-            )
+        _check_movable(
+            cache, "Batched AdaFlash decoding masks and compacts cache columns", "generate one row per call"
+        )
         window = _window(cache)
         if window is not None and generation_config.max_length > window:
             # Beyond the window a sliding (or chunked) layer drops columns by count, holes included.
@@ -134,20 +151,46 @@ def _window(cache) -> int | None:
     return min(windows) if windows else None
 
 
+def _check_movable(cache, what: str, instead: str) -> None:
+    """Refuses caches with a layer whose per-position tensors `_POSITION_TENSORS` does not know."""
+    unknown = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in _POSITION_TENSORS})
+    if unknown:
+        raise NotImplementedError(
+            f"{what}, and the target's {unknown} cache layers may keep per-position state the loop does not know how "
+            f"to move with its columns; {instead}."
+        )
+
+
+def _position_tensors(layer) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """A layer's per-position tensors that hold data: name -> (tensor, batch dim, position dim)."""
+    found = {}
+    for name, (batch_dim, position_dim) in _POSITION_TENSORS[type(layer)].items():
+        tensor = getattr(layer, name, None)
+        if tensor is not None and tensor.dim() > max(batch_dim, position_dim):
+            found[name] = (tensor, batch_dim, position_dim)
+    return found
+
+
+def _gather_positions(tensor, batch_dim: int, position_dim: int, index: torch.LongTensor) -> torch.Tensor:
+    """``tensor`` with positions ``index [B, W]`` of each row, along its position dim."""
+    moved = tensor.movedim((batch_dim, position_dim), (0, 1))
+    picked = moved.gather(1, index.view(*index.shape, *[1] * (moved.dim() - 2)).expand(-1, -1, *moved.shape[2:]))
+    return picked.movedim((0, 1), (batch_dim, position_dim))
+
+
 def _gather_columns(
     layer, index: torch.LongTensor, valid: torch.Tensor | None = None, columns: slice | None = None
 ) -> None:
-    """Keeps columns ``index [B, W]`` of every row of a cache layer (zeros where ``valid`` is False). Keys and values
-    are gathered separately: their head dims may differ (MLA targets such as DeepSeek-V3). With `columns`, only that
-    span is rearranged (``index`` then counts from its start) and the rest of the layer stays as it is."""
-    if not getattr(layer, "is_initialized", False):
-        return
-    for name in ("keys", "values"):
-        states = getattr(layer, name)
-        span = states if columns is None else states[:, :, columns]
-        picked = span.gather(2, index[:, None, :, None].expand(-1, span.shape[1], -1, span.shape[-1]))
+    """Keeps columns ``index [B, W]`` of every row of a cache layer (zeros where ``valid`` is False), in every tensor
+    the layer keeps per position (`_POSITION_TENSORS`; keys and values apart, as their head dims may differ on MLA
+    targets such as DeepSeek-V3). With `columns`, only that span is rearranged (``index`` then counts from its start)
+    and the rest of the layer stays as it is."""
+    for name, (tensor, batch_dim, position_dim) in _position_tensors(layer).items():
+        span = tensor if columns is None else tensor.narrow(position_dim, columns.start, columns.stop - columns.start)
+        picked = _gather_positions(span, batch_dim, position_dim, index)
         if valid is not None:
-            picked = picked.masked_fill(~valid[:, None, :, None], 0)
+            keep = valid.view(*valid.shape, *[1] * (picked.dim() - 2)).movedim((0, 1), (batch_dim, position_dim))
+            picked = picked.masked_fill(~keep, 0)
         if columns is None:
             setattr(layer, name, picked)
         else:
@@ -157,7 +200,16 @@ def _gather_columns(
         layer.cumulative_length = index.shape[1]
 
 
-def _tree_budget(generation_config, processors, window) -> int | None:
+def _alibi(target) -> bool:
+    """Whether the target biases attention by ALiBi (bloom, falcon with ``alibi=True``, mpt): those build the bias
+    from the running count of the 2D attention mask, not from position ids."""
+    return bool(getattr(target.config, "alibi", False)) or any(
+        callable(getattr(module, "build_alibi_tensor", None)) or getattr(module, "use_alibi", False)
+        for module in target.modules()
+    )
+
+
+def _tree_budget(generation_config, processors, target, cache, window) -> int | None:
     """``GenerationConfig(adaflash_tree_budget=n)``: verify a draft tree of ``n`` tokens (anchor included) per row and
     step (`tree.py`); ``None`` (the default) verifies the linear block."""
     budget = getattr(generation_config, "adaflash_tree_budget", None)
@@ -180,6 +232,18 @@ def _tree_budget(generation_config, processors, window) -> int | None:
             "adaflash_tree_budget on a sliding-window or chunked-attention target: tree verification passes its own "
             "4D attention mask, which would replace the window mask. Drop adaflash_tree_budget for this target."
         )
+    if _alibi(target):
+        raise NotImplementedError(
+            f"adaflash_tree_budget on an ALiBi target ({type(target).__name__}): its position bias is built from a 2D "
+            "attention mask, counting every earlier column, so tree nodes would get their index in the tree as their "
+            "distance instead of their depth. Drop adaflash_tree_budget for this target (linear verification is "
+            "exact on it)."
+        )
+    _check_movable(
+        cache,
+        "Tree verification moves each step's accepted path to the front of its cache columns",
+        "drop adaflash_tree_budget for this target",
+    )
     return budget
 
 
@@ -245,7 +309,7 @@ class SpeculativeDecoding:
             self.planner = VerificationPlanner(
                 table, self.generator.block_size, batch, input_ids.device, length_head=head
             )
-        self.tree_budget = _tree_budget(generation_config, logits_processor, self.window)
+        self.tree_budget = _tree_budget(generation_config, logits_processor, target, self.cache, self.window)
         self.verify_layout = VerifyLayout(target, getattr(generation_config, "adaflash_verify_layout", None))
 
     # ------------------------------------------------------------------ loop
@@ -538,7 +602,8 @@ class SpeculativeDecoding:
     def _criteria_stops(self, tokens, counts, stops, running):
         """Calls the other stopping criteria (stop strings, max time, custom ones) as plain decoding does: on the
         whole batch, once per sequence length, so criteria that index rows or keep per-row state see each row at its
-        own index; the first length at which a running row's criterion fires cuts its counts."""
+        own index; the first length at which a running row's criterion fires cuts its counts. `counts` already ends
+        at the budget and the first EOS, so the earliest of the three is where each row stops."""
         rows = self.active
         ids = self.sequences.clone()
         new = torch.arange(tokens.shape[1], device=tokens.device)
@@ -548,7 +613,9 @@ class SpeculativeDecoding:
         counts, stops = counts.clone(), stops.clone()
         first, last = int(self.lengths[rows].min()) + 1, int((self.lengths[rows] + counts).max())
         for length in range(first, last + 1):
-            at = running & ~stops & (self.lengths[rows] < length) & (length <= self.lengths[rows] + counts)
+            # every running row, including those the budget or an EOS already stops in this step: a criterion that
+            # fires before that point stops the row earlier, as it would have stopped plain decoding
+            at = running & (self.lengths[rows] < length) & (length <= self.lengths[rows] + counts)
             if not bool(at.any()):
                 continue
             fired = self.extra_criteria(ids[:, :length], None)[rows] & at
@@ -618,9 +685,13 @@ class SpeculativeDecoding:
                 self.cache_mask = None
 
     def _park(self, slot: int) -> None:
-        """Keeps a leaving row's cache columns, for the cache returned at the end."""
+        """Keeps a leaving row's cache columns (every per-position tensor of every layer, its batch dim kept with one
+        entry), for the cache returned at the end."""
         layers = [
-            (layer.keys[slot], layer.values[slot]) if getattr(layer, "is_initialized", False) else None
+            {
+                name: (tensor.narrow(batch_dim, slot, 1), batch_dim, position_dim)
+                for name, (tensor, batch_dim, position_dim) in _position_tensors(layer).items()
+            }
             for layer in self.cache.layers
         ]
         mask = None if self.cache_mask is None else self.cache_mask[slot]
@@ -655,7 +726,8 @@ class SpeculativeDecoding:
         indices, valids = [], []
         for row in range(len(self.lengths)):
             layers, mask = self.parked[row]
-            columns = next(t for t in layers if t is not None)[0].shape[1]
+            keys, _, position_dim = next(layer["keys"] for layer in layers if "keys" in layer)
+            columns = keys.shape[position_dim]
             valid_columns = torch.arange(columns, device=real.device) if mask is None else mask.nonzero().flatten()
             need = int(real[row]) + generated - 1
             indices.append(torch.cat([valid_columns.new_zeros(width - need), valid_columns[:need]]))
@@ -663,18 +735,25 @@ class SpeculativeDecoding:
         index, valid = torch.stack(indices), torch.stack(valids)
         for i, layer in enumerate(self.cache.layers):
             parts = [self.parked[row][0][i] for row in range(len(self.lengths))]
-            if parts[0] is None:
-                continue
-            for name, which in (("keys", 0), ("values", 1)):
-                longest = max(p[which].shape[1] for p in parts)
+            for name, (_, batch_dim, position_dim) in parts[0].items():
+                tensors = [part[name][0] for part in parts]
+                longest = max(t.shape[position_dim] for t in tensors)
                 # rows parked at different steps hold different numbers of columns: pad them to a common width
-                setattr(
-                    layer,
-                    name,
-                    torch.stack(
-                        [torch.nn.functional.pad(p[which], (0, 0, 0, longest - p[which].shape[1])) for p in parts]
-                    ),
-                )
+                padded = [
+                    torch.cat(
+                        [
+                            t,
+                            t.new_zeros(
+                                t.shape[:position_dim]
+                                + (longest - t.shape[position_dim],)
+                                + t.shape[position_dim + 1 :]
+                            ),
+                        ],
+                        position_dim,
+                    )
+                    for t in tensors
+                ]
+                setattr(layer, name, torch.cat(padded, batch_dim))
             _gather_columns(layer, index, valid)
 
     @staticmethod

@@ -47,13 +47,21 @@ _CHOICES = _DTYPES.choices
 _COPIES: dict[tuple, torch.Tensor] = {}
 
 
+# what a head can project in: floating dtypes that matmul supports on every device (no float8, no complex)
+HEAD_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
 def resolve_dtype_name(name) -> str:
-    """Validates ``adaflash_draft_head_dtype``; returns ``"auto"``, ``"same"`` or a torch dtype name."""
+    """Validates ``adaflash_draft_head_dtype``; returns ``"auto"``, ``"same"`` or one of `HEAD_DTYPES`."""
     name = "auto" if name is None else str(name).removeprefix("torch.")
-    if name in DRAFT_HEAD_CHOICES or isinstance(getattr(torch, name, None), torch.dtype):
+    if name in DRAFT_HEAD_CHOICES or name in HEAD_DTYPES:
         return name
+    dtype = getattr(torch, name, None)
+    if isinstance(dtype, torch.dtype) and str(dtype).removeprefix("torch.") in HEAD_DTYPES:
+        return str(dtype).removeprefix("torch.")  # an alias such as "float" or "half"
     raise ValueError(
-        f"adaflash_draft_head_dtype={name!r} is not 'auto', 'same' or a torch dtype name (e.g. 'bfloat16')."
+        f"adaflash_draft_head_dtype={name!r} is not a dtype the draft head can compute logits in: use 'auto' "
+        f"(measured), 'same' (the target head's dtype) or one of {', '.join(map(repr, HEAD_DTYPES))}."
     )
 
 

@@ -65,10 +65,20 @@ def ids_independent(processor) -> bool:
     return isinstance(processor, _IDS_INDEPENDENT)
 
 
-def token_chooser(do_sample: bool) -> TokenChooser:
-    """argmax, or one sample from softmax, of processed logits ``[N, V] -> [N]``."""
+def token_chooser(do_sample: bool, drafts: bool = False) -> TokenChooser:
+    """argmax, or one sample from softmax, of processed logits ``[N, V] -> [N]``.
+
+    With `drafts`, a row whose processors allow no token at all (every logit ``-inf``: suppressed or banned tokens
+    covering a reduced draft vocabulary) gets an arbitrary token instead of an error; the drafter drafts nothing from
+    such a position on (`AdaFlashCandidateGenerator.draft`), so the token is never verified. The target's logits
+    never get this leniency: plain decoding fails on them too."""
     if do_sample:
-        return lambda logits: torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)
+
+        def sample(logits):
+            probs = torch.softmax(logits, dim=-1)
+            return torch.multinomial(probs.nan_to_num(1.0) if drafts else probs, 1).squeeze(-1)
+
+        return sample
     return lambda logits: logits.argmax(dim=-1)
 
 

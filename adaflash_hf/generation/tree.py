@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .acceptance import leading_true
+
 
 @dataclass
 class DraftTree:
@@ -90,7 +92,9 @@ def build_trees(logits: torch.Tensor, max_depth: torch.LongTensor, budget: int, 
     """
     batch = logits.shape[0]
     nodes = budget - 1
-    depth_cap = max_depth.clamp(max=logits.shape[1]).tolist()
+    # a depth where the processors allow no token ends the row's tree: nothing there can be proposed
+    allowed = leading_true(logits.amax(-1) > float("-inf"))
+    depth_cap = torch.minimum(max_depth.clamp(max=logits.shape[1]), allowed).tolist()
     per_depth = min(nodes, logits.shape[-1])
     if nodes <= 0 or max(depth_cap, default=0) <= 0:
         empty = logits.new_zeros((batch, 0), dtype=torch.long)

@@ -66,7 +66,9 @@ class TransposedLinear(TorchFunctionMode):
                 and x.device.type == weight.device.type == "cpu"
             ):
                 flat = x.reshape(-1, x.shape[-1])
-                out = torch.mm(weight, flat.t()).t().reshape(*x.shape[:-1], weight.shape[0])
+                # laid out as linear's own result (row-major): a kernel choice must not change what later ops accept
+                # (view_as_complex in complex rotary embeddings needs a last dimension of stride 1)
+                out = torch.mm(weight, flat.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
                 return out if bias is None else out + bias
         return func(*args, **kwargs)
 
