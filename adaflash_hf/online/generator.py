@@ -1,4 +1,4 @@
-"""`OnlineAdapter`: serve with ``target.generate(..., assistant_model=drafter)``, learn from what is served, swap in
+"""`OnlineGenerator`: serve with ``target.generate(..., assistant_model=drafter)``, learn from what is served, swap in
 the improved drafter (or per-domain LoRA adapters) between requests.
 
 The serving side and the trainer meet only on disk (`SampleBuffer`, `VersionStore`), as in the reference, so
@@ -8,7 +8,7 @@ a second copy (two copies of an 8B target do not fit beside each other on most G
 GIL, so training overlaps serving. A Python exception in the trainer stays in its thread: it is logged, the round
 is retried (its samples stay buffered), and after ``max_consecutive_failures`` the trainer stops and `status` says
 why, while serving goes on with the last good weights. A hard crash (a killed process) loses nothing on disk
-either: a new `OnlineAdapter` on the same ``swap_dir`` resumes from the buffer and the last publication.
+either: a new `OnlineGenerator` on the same ``swap_dir`` resumes from the buffer and the last publication.
 
 Swaps happen only in `refresh`, which `generate` calls before a request under the serving lock, so a request is
 never drafted by two versions. A publication is adopted only after every file's sha256 matches its marker and the
@@ -45,7 +45,7 @@ def _clone_state(model) -> dict:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-class OnlineAdapter:
+class OnlineGenerator:
     """Wraps a target and its drafter for serving with online adaptation.
 
     Args:
@@ -60,8 +60,8 @@ class OnlineAdapter:
     def __init__(self, target, drafter: AdaFlashDrafter, tokenizer, config: OnlineConfig, start: bool = True):
         if not getattr(drafter, "_is_adaflash_drafter", False) or hasattr(drafter, "peft_config"):
             raise TypeError(
-                "OnlineAdapter needs a bare AdaFlashDrafter (adapters are created and loaded by the adapter itself in "
-                f"mode='domain_adapters'); got {type(drafter).__name__}."
+                "OnlineGenerator needs a bare AdaFlashDrafter (in mode='domain_adapters' it creates and loads the "
+                f"adapters itself); got {type(drafter).__name__}."
             )
         drafter.check_compatible(target)
         self.target, self.tokenizer, self.config = target.eval(), tokenizer, config
