@@ -1,6 +1,7 @@
 """Trains the same recipe with `loss_type` opd, ce and fkl (same budget) and compares measured acceptance.
 
-    python trainers/compare_losses.py --eval_data heldout.jsonl --num_eval 64 --config recipe.yaml [field=value]
+    python examples/scripts/compare_losses.py --eval_data heldout.jsonl --num_eval 64 --config recipe.yaml \
+        [field=value ...]
 
 Each run writes to `<output_dir>/<loss_type>`; the table (JSON) goes to stdout and `<output_dir>/comparison.json`.
 Acceptance is `adaflash_hf.training.measure_acceptance` (greedy) on the held-out prompts.

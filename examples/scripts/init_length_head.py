@@ -1,6 +1,6 @@
 """Offline initialisation of the adaptive length head on a frozen drafter (docs/algorithm.md §6.4).
 
-    python trainers/init_length_head.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 \
+    python examples/scripts/init_length_head.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 \
         --data data/regen.jsonl --output_dir models/Qwen3-8B-DFlash-b16-length-head
 
 `--data` is any `datasets.load_dataset("json", ...)` file with prompt/response rows (`prompt` + `response` or

@@ -1,7 +1,7 @@
 """OPD training of an AdaFlash drafter from a YAML recipe.
 
-    python trainers/train_opd.py --config trainers/adaflash_qwen3_8b.yaml
-    accelerate launch trainers/train_opd.py --config trainers/adaflash_qwen3_8b.yaml       # several devices
+    python examples/scripts/train_opd.py --config examples/scripts/adaflash_qwen3_8b.yaml
+    accelerate launch examples/scripts/train_opd.py --config examples/scripts/adaflash_qwen3_8b.yaml  # several devices
 
 Same as `adaflash train --config ...`; the logic lives in `adaflash_hf.training.cli.train_main`.
 """

@@ -2,8 +2,8 @@
 # Drafter training variants at an equal, short budget on a slice of the build (the answers and features stages must
 # have run for SHARDS): held-out (teacher-forced validation) acceptance every EVAL steps and seconds per step, per
 # variant. Each variant is a recipe run_name, so they share the build's prompts, answers and stored features.
-# Results: bench/results/smollm2_drafter_ab.json.
-#   SHARDS="0 21" STEPS=120 EVAL=40 PYTHON=.venv/bin/python bash bench/cpu_drafter_ab.sh
+# Results: demo/adaflash_demo/bench/results/smollm2_drafter_ab.json.
+#   SHARDS="0 21" STEPS=120 EVAL=40 PYTHON=.venv/bin/python bash demo/adaflash_demo/bench/cpu_drafter_ab.sh
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 SHARDS=${SHARDS:-"0 21"}
@@ -22,7 +22,7 @@ for name in $NAMES; do
     --run_name "ab-$name" --max_steps "$STEPS" --save_steps "$EVAL" --warmup_steps $((STEPS / 10)) \
     ${VARIANTS[$name]} ${EXTRA:-}
 done
-mkdir -p bench/results
+mkdir -p demo/adaflash_demo/bench/results
 $PYTHON - "$WORK" $NAMES <<'PY'
 import json, statistics, sys
 work, names = sys.argv[1], sys.argv[2:]
@@ -35,6 +35,6 @@ for name in names:
         "median_step_s": statistics.median(e["step_time"] for e in history if "step_time" in e),
         "recipe": {k: log["recipe"][k] for k in ("draft_vocab_size", "num_anchors", "answer_shards", "max_steps")},
     }
-json.dump(out, open("bench/results/smollm2_drafter_ab.json", "w"), indent=1)
+json.dump(out, open("demo/adaflash_demo/bench/results/smollm2_drafter_ab.json", "w"), indent=1)
 print(json.dumps(out, indent=1))
 PY

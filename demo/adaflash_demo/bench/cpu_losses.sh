@@ -6,7 +6,7 @@
 # length. Each run's outputs go to build/smollm2-drafter/{trainer,drafter,evaluation}-loss-<type>; the table to
 # smollm2_losses.md in the results folder (not run yet: no table is committed).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."  # the repository root
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
 steps=${STEPS:-80}
 for loss in opd ce fkl; do
@@ -14,7 +14,7 @@ for loss in opd ce fkl; do
         --loss_type "$loss" --max_steps "$steps" --warmup_steps 10 --save_steps "$steps" \
         --eval_prompts_per_domain "${EVAL_PROMPTS:-8}" --eval_new_tokens 32 --stages train evaluate
 done
-out=bench/results
+out=demo/adaflash_demo/bench/results
 "${PYTHON:-python}" - "$steps" <<'PY' | tee "$out/smollm2_losses.md"
 import json, sys
 from pathlib import Path

@@ -4,10 +4,10 @@
 # held-out prompts (the first 8 of each trained domain, so batch 32 has a whole batch). NEW (default 64) new tokens,
 # BATCHES and METHODS choose what runs; REPEATS (default 1) serves the pool that many times, which a noisy machine
 # needs at batch 16-32, where the pool makes only one or two calls per method.
-# Writes bench/results/smollm2_sweep.*. Keep the machine otherwise idle.
+# Writes demo/adaflash_demo/bench/results/smollm2_sweep.*. Keep the machine otherwise idle.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out=bench/results
+cd "$(dirname "$0")/../../.."  # the repository root
+out=demo/adaflash_demo/bench/results
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
 "${PYTHON:-python}" - "$out/sweep_prompts.jsonl" <<'PY'
@@ -20,7 +20,7 @@ with open(sys.argv[1], "w") as handle:
         for prompt in prompts[domain]:
             handle.write(json.dumps({"prompt": prompt, "domain": "mixed"}) + "\n")
 PY
-"${PYTHON:-python}" -m adaflash_hf.cli bench --dtype float32 --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
+"${PYTHON:-python}" -m adaflash_demo.cli bench --dtype float32 --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --prompts "$out/sweep_prompts.jsonl" --prompts-per-domain 32 --max-new-tokens "${NEW:-64}" --repeats "${REPEATS:-1}" \
     --methods "${METHODS:-plain,adaflash_fixed,adaflash_adaptive,adaflash_planned}" \
     --json "$out/smollm2_sweep.json" --markdown "$out/smollm2_sweep.md"

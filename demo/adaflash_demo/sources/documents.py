@@ -1,14 +1,17 @@
-"""The four text domains of the demo world, built from files already on the machine (never downloaded).
+"""The documents the real target's prompts are built from: files already on the machine (never downloaded) and
+generated arithmetic.
 
 * ``code``: CPython standard-library ``.py`` files, tests and generated tables excluded.
 * ``prose``: GNU info manuals, the Python language reference (``pydoc_data.topics``) and README/md/txt/rst files
   from ``/usr/share/doc`` (changelogs, copyright and news files excluded), cut into chunks.
 * ``man``: man pages rendered as plain text with ``MANWIDTH=80 man -l FILE | col -bx``.
-* ``math``: generated GSM8K-style word problems (:mod:`adaflash_demo.world.arithmetic`).
+* ``math``: generated GSM8K-style word problems (:mod:`adaflash_demo.sources.arithmetic`).
+* ``changelog``: Debian package changelogs (``/usr/share/doc/*/changelog.Debian.gz``), which no other source reads:
+  the domain no drafter trains on, kept for evaluation and for the online-adaptation stream.
 
-Every domain is capped in characters so the domains weigh the same, and the sources are visited in a seeded
-order so a seed fixes the corpus. Held-out documents are chosen by ``md5(doc_id)``, independent of the seed and
-of the caps, so a document is held out in every build that contains it.
+Sources are visited in a seeded order, so a seed fixes which documents come first. Whether a document is held out
+is a fixed function of its id (`is_heldout`), independent of the seed, so a held-out document stays held out in
+every build that reads it.
 """
 
 from __future__ import annotations
@@ -25,20 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
-from adaflash_hf.utils import read_jsonl, write_jsonl
-
 from .arithmetic import generate_problem
 
-DOMAINS = ("code", "prose", "man", "math")
-SPLITS = ("train", "heldout")
 _EXCLUDED_DOC_WORDS = ("changelog", "copyright", "news")
 _DOC_SUFFIXES = (".md", ".txt", ".rst")
 
 
 class CorpusError(RuntimeError):
-    """A domain cannot be built from this machine's files; the message names the missing piece and the fix."""
+    """A domain cannot be read from this machine's files; the message names the missing piece and the fix."""
 
 
 @dataclass(frozen=True)
@@ -52,17 +49,8 @@ class Document:
 
 @dataclass
 class CorpusConfig:
-    """Where the four domains come from and how much of each is kept."""
+    """Where each domain's documents come from and how much of a source is read."""
 
-    max_chars_per_domain: int = field(
-        default=6_000_000,
-        metadata={
-            "help": "Character cap per domain. Equal caps keep the domains balanced; 6M chars is about 1.5M tokens."
-        },
-    )
-    heldout_percent: float = field(
-        default=5.0, metadata={"help": "Percent of documents held out per domain, chosen by md5(doc_id)."}
-    )
     max_chars_per_file: int = field(
         default=400_000,
         metadata={
@@ -101,73 +89,14 @@ class CorpusConfig:
     info_dir: str = field(default="/usr/share/info", metadata={"help": "GNU info manuals (prose)."})
     doc_dir: str = field(default="/usr/share/doc", metadata={"help": "Package documentation (prose)."})
     man_dir: str = field(default="/usr/share/man", metadata={"help": "Man pages; only sections man1-man8 are read."})
+    changelog_dir: str = field(default="/usr/share/doc", metadata={"help": "Where */changelog.Debian.gz live."})
+    max_chars_per_changelog: int = field(default=20_000, metadata={"help": "Characters read per changelog."})
 
 
 def is_heldout(doc_id: str, heldout_percent: float) -> bool:
     """Whether a document is held out: a fixed function of its id, so held-out sets never drift between builds."""
     bucket = int(hashlib.md5(doc_id.encode("utf-8")).hexdigest()[:8], 16) % 10_000
     return bucket < heldout_percent * 100
-
-
-def corpus_path(corpus_dir: Path, domain: str, split: str) -> Path:
-    return Path(corpus_dir) / f"{domain}.{split}.jsonl"
-
-
-def load_documents(corpus_dir: Path, domain: str, split: str) -> list[Document]:
-    path = corpus_path(corpus_dir, domain, split)
-    if not path.exists():
-        raise CorpusError(f"{path} is missing: run the `corpus` stage first.")
-    return [Document(row["doc_id"], row["text"]) for row in read_jsonl(path)]
-
-
-def build_corpus(config: CorpusConfig, seed: int, corpus_dir: Path) -> dict:
-    """Builds, caps, splits and writes every domain; returns per-domain document and character counts."""
-    check_man_available(config)
-    sources = {"code": code_documents, "prose": prose_documents, "man": man_documents, "math": math_documents}
-    summary = {}
-    for domain in DOMAINS:
-        documents = take_until_cap(
-            sources[domain](config, random.Random(f"{seed}-{domain}")),
-            config.max_chars_per_domain,
-            desc=f"corpus {domain}",
-        )
-        summary[domain] = _write_domain(domain, documents, config, Path(corpus_dir))
-    return summary
-
-
-def _write_domain(domain: str, documents: list[Document], config: CorpusConfig, corpus_dir: Path) -> dict:
-    if not documents:
-        raise CorpusError(
-            f"The {domain} domain is empty: no readable source files were found "
-            f"(check the {domain} paths in CorpusConfig)."
-        )
-    heldout = [doc for doc in documents if is_heldout(doc.doc_id, config.heldout_percent)]
-    train = [doc for doc in documents if not is_heldout(doc.doc_id, config.heldout_percent)]
-    if not heldout or not train:
-        raise CorpusError(
-            f"The {domain} domain has {len(train)} training and {len(heldout)} held-out documents; "
-            f"both must be non-empty: raise max_chars_per_domain or heldout_percent."
-        )
-    summary = {}
-    for split, split_documents in (("train", train), ("heldout", heldout)):
-        write_jsonl(
-            corpus_path(corpus_dir, domain, split), ({"doc_id": d.doc_id, "text": d.text} for d in split_documents)
-        )
-        summary[split] = {"documents": len(split_documents), "chars": sum(len(d.text) for d in split_documents)}
-    return summary
-
-
-def take_until_cap(documents: Iterable[Document], max_chars: int, desc: str) -> list[Document]:
-    """Takes documents in order until ``max_chars`` is reached; sources are lazy, so nothing past the cap is read."""
-    taken, total = [], 0
-    with tqdm(total=max_chars, desc=desc, unit="char", unit_scale=True, leave=False) as progress:
-        for document in documents:
-            if total >= max_chars:
-                break
-            taken.append(document)
-            total += len(document.text)
-            progress.update(min(len(document.text), max_chars - progress.n))
-    return taken
 
 
 def read_text_file(path: Path, max_chars: int) -> str | None:
@@ -294,7 +223,7 @@ def chunk_text(text: str, chunk_chars: int) -> list[str]:
 
 
 def check_man_available(config: CorpusConfig) -> None:
-    """Fails before any work when the man domain cannot be rendered, instead of after minutes of corpus building."""
+    """Fails at once when the man domain cannot be rendered, instead of yielding no page at all."""
     missing = [tool for tool in ("man", "col") if shutil.which(tool) is None]
     if missing:
         raise CorpusError(
@@ -321,7 +250,9 @@ def _man_files(config: CorpusConfig) -> list[Path]:
 
 
 def man_documents(config: CorpusConfig, rng: random.Random) -> Iterator[Document]:
-    """Rendered pages in a seeded order, rendered in small parallel batches so the cap stops the rendering."""
+    """Rendered pages in a seeded order, rendered in small parallel batches, so a consumer that has enough stops
+    the rendering."""
+    check_man_available(config)
     pages = _shuffled(_man_files(config), rng)
     gcloud = [page for page in pages if page.name.startswith("gcloud")][: config.max_gcloud_man_pages]
     pages = _shuffled([page for page in pages if not page.name.startswith("gcloud")] + gcloud, rng)
@@ -352,8 +283,27 @@ def render_man_page(path: Path) -> str | None:
 
 
 def math_documents(config: CorpusConfig, rng: random.Random) -> Iterator[Document]:
-    """An endless stream of generated problems; the cap decides how many are kept."""
+    """An endless stream of generated problems; the consumer decides how many it takes."""
     index = 0
     while True:
         yield Document(f"math:{index:07d}", generate_problem(rng))
         index += 1
+
+
+# ---------------------------------------------------------------------------------------------------- changelog
+
+
+def changelog_documents(config: CorpusConfig | None = None) -> list[Document]:
+    """Every Debian changelog of the machine (sorted by package; the caller shuffles)."""
+    config = config or CorpusConfig()
+    documents = []
+    for path in sorted(Path(config.changelog_dir).glob("*/changelog.Debian.gz")):
+        text = read_text_file(path, config.max_chars_per_changelog)
+        if text and len(text.strip()) >= config.min_document_chars:
+            documents.append(Document(f"changelog/{path.parent.name}", text))
+    if len(documents) < 20:
+        raise CorpusError(
+            f"Found {len(documents)} Debian changelogs under {config.changelog_dir}; the changelog domain needs at "
+            "least 20 (any Debian or Ubuntu system has hundreds)."
+        )
+    return documents
