@@ -54,8 +54,9 @@ class FeatureCache:
     """The target's features of each training sequence on disk, so that only the first time a sequence is seen pays
     the target forward: later epochs, evaluations and resumed runs read them back.
 
-    With fixed responses (offline pairs, or rollouts generated once) the target forward is the same every epoch and
-    costs about 40% of a CPU training step of a small drafter; reading the stored features costs milliseconds.
+    With fixed responses (offline pairs, or rollouts generated once) the target forward is the same every epoch, and
+    for a small drafter it is a large part of each training step; reading stored features replaces it with a file
+    read (the demo recipe's build: BENCHMARKS.md §1).
 
     One safetensors file per sequence (``context [L, K*H]``, ``last_hidden [L, H]``, and the teacher's
     whole-vocabulary ``teacher_argmax [L]`` / ``teacher_logsumexp [L]`` computed from the stored ``last_hidden``),
