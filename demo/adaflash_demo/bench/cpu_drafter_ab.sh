@@ -5,6 +5,7 @@
 # Results: demo/adaflash_demo/bench/results/smollm2_drafter_ab.json.
 #   SHARDS="0 21" STEPS=120 EVAL=40 PYTHON=.venv/bin/python bash demo/adaflash_demo/bench/cpu_drafter_ab.sh
 set -euo pipefail
+cd "$(dirname "$0")/../../.."  # the repository root
 PYTHON=${PYTHON:-python}
 SHARDS=${SHARDS:-"0 21"}
 STEPS=${STEPS:-120}
@@ -25,6 +26,7 @@ done
 mkdir -p demo/adaflash_demo/bench/results
 $PYTHON - "$WORK" $NAMES <<'PY'
 import json, statistics, sys
+from adaflash_hf.utils import write_json_atomic
 work, names = sys.argv[1], sys.argv[2:]
 out = {}
 for name in names:
@@ -35,6 +37,6 @@ for name in names:
         "median_step_s": statistics.median(e["step_time"] for e in history if "step_time" in e),
         "recipe": {k: log["recipe"][k] for k in ("draft_vocab_size", "num_anchors", "answer_shards", "max_steps")},
     }
-json.dump(out, open("demo/adaflash_demo/bench/results/smollm2_drafter_ab.json", "w"), indent=1)
+write_json_atomic("demo/adaflash_demo/bench/results/smollm2_drafter_ab.json", out, indent=1)
 print(json.dumps(out, indent=1))
 PY

@@ -11,14 +11,12 @@ out=demo/adaflash_demo/bench/results
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
 "${PYTHON:-python}" - "$out/sweep_prompts.jsonl" <<'PY'
-import json, sys
+import sys
 from adaflash_demo.demo import shipped_prompts
 from adaflash_demo.instructions import TRAINED_DOMAINS
+from adaflash_hf.utils import write_jsonl
 prompts = shipped_prompts(8)
-with open(sys.argv[1], "w") as handle:
-    for domain in TRAINED_DOMAINS:
-        for prompt in prompts[domain]:
-            handle.write(json.dumps({"prompt": prompt, "domain": "mixed"}) + "\n")
+write_jsonl(sys.argv[1], ({"prompt": p, "domain": "mixed"} for domain in TRAINED_DOMAINS for p in prompts[domain]))
 PY
 "${PYTHON:-python}" -m adaflash_demo.cli bench --dtype float32 --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --prompts "$out/sweep_prompts.jsonl" --prompts-per-domain 32 --max-new-tokens "${NEW:-64}" --repeats "${REPEATS:-1}" \
