@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make demo` runs the main job, `make test` runs the test suite.
 # Both create .venv and install what they need on first use: the library (editable, with its extras) and the
-# separate demo distribution in demo/ (the demo world's weights and data, the benchmark harness).
+# separate demo distribution in demo/ (the real target's drafter and prompts, its recipe, the benchmark harness).
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml demo/pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/adaflash demo
+	$(VENV)/bin/adaflash-demo demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python -m pytest -q

@@ -4,7 +4,7 @@
 AdaFlash's speculative decoding whenever the assistant is an AdaFlash drafter (see `adaflash_hf.generation`).
 
 Training and online adaptation are importable from the top level too (`from adaflash_hf import OPDConfig,
-OPDTrainer, OnlineAdapter`), as TRL exports its trainers; they load on first use, because they import TRL and
+OPDTrainer, OnlineGenerator`), as TRL exports its trainers; they load on first use, because they import TRL and
 accelerate, which inference does not need.
 """
 
@@ -34,14 +34,15 @@ _LAZY_EXPORTS = {
     "OPDConfig": "training",
     "OPDTrainer": "training",
     "measure_acceptance": "training",
-    "OnlineAdapter": "online",
+    "OnlineGenerator": "online",
+    "OnlineAdapter": "online",  # deprecated: renamed OnlineGenerator (warns on use)
     "OnlineConfig": "online",
     "VersionStore": "online",
     "serve_stream": "online",
 }
 
 if TYPE_CHECKING:
-    from .online import OnlineAdapter, OnlineConfig, VersionStore, serve_stream
+    from .online import OnlineConfig, OnlineGenerator, VersionStore, serve_stream
     from .training import AcceptanceStats, OPDConfig, OPDTrainer, measure_acceptance
 
 
@@ -49,7 +50,8 @@ def __getattr__(name: str):
     if name not in _LAZY_EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
+    if name != "OnlineAdapter":  # the deprecated name warns on every use, so it is never cached
+        globals()[name] = value
     return value
 
 
@@ -75,8 +77,8 @@ __all__ = [
     "LengthPolicy",
     "OPDConfig",
     "OPDTrainer",
-    "OnlineAdapter",
     "OnlineConfig",
+    "OnlineGenerator",
     "SpeculativeStats",
     "build_target_layer_ids",
     "generate_loop",

@@ -260,7 +260,7 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
             raise ValueError(
                 f"Length head was trained for hidden_size={theirs.hidden_size}, block_size={theirs.block_size}; "
                 f"this drafter has hidden_size={mine.hidden_size}, block_size={mine.block_size}. "
-                "Use a head trained on this drafter (trainers/init_length_head.py)."
+                "Use a head trained on this drafter (examples/scripts/init_length_head.py)."
             )
 
     # ------------------------------------------------------------------ target pairing

@@ -1,8 +1,9 @@
 """File helpers shared by the library (and the demo): atomic writes and JSONL rows.
 
 Everything that other processes read while it may be rewritten (checkpoints, rollouts, published drafter versions,
-buffered samples) goes through `atomic_directory` or `write_json_atomic`, so a reader, or a run resumed after a
-crash, sees either the old content or the whole new one, never a half-written file.
+buffered samples, the stages of a resumable recipe) goes through `atomic_directory` or `atomic_path` (and the
+writers built on it: `atomic_file`, `write_json_atomic`, `write_jsonl`, `write_text_atomic`), so a reader, or a run
+resumed after a crash, sees either the old content or the whole new one, never a half-written file.
 """
 
 from __future__ import annotations
@@ -45,22 +46,49 @@ def atomic_directory(final: str | os.PathLike, *, merge: bool = False, last: Ite
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_json_atomic(path: str | os.PathLike, payload) -> None:
-    """Writes ``payload`` as JSON so that a reader sees the old file or the whole new one, also after a crash."""
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields a staging path beside ``path`` for a writer that takes a file name (``safetensors.torch.save_file``);
+    when the block succeeds the file is synced to disk and renamed onto ``path``, so a reader (or a run resumed after
+    a crash, which skips finished outputs) sees the old file or the whole new one, never a half-written one. When the
+    block raises, ``path`` is untouched and the staging file is removed."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}-{path.name}")
-    with temporary.open("w", encoding="utf-8") as handle:
-        json.dump(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        yield temporary
+        with temporary.open("rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator:
+    """`atomic_path` for text: yields an open UTF-8 handle."""
+    with atomic_path(path) as temporary, temporary.open("w", encoding="utf-8") as handle:
+        yield handle
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` through `atomic_file`."""
+    with atomic_file(path) as handle:
+        handle.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike, payload, *, indent: int | None = None) -> None:
+    """Writes ``payload`` as JSON through `atomic_file`."""
+    with atomic_file(path) as handle:
+        json.dump(payload, handle, indent=indent)
+        if indent is not None:
+            handle.write("\n")
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
-    """Writes one JSON object per line (UTF-8, unescaped) so the files diff and grep well."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as handle:
+    """Writes one JSON object per line (UTF-8, unescaped, so the files diff and grep well) through `atomic_file`:
+    resumable stages take a file that exists for a finished one."""
+    with atomic_file(path) as handle:
         for row in rows:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 

@@ -1,22 +1,30 @@
-"""Batch > 1 with lossless sampling and the adaptive length policy, on the shipped demo world (CPU, offline).
+"""Batch > 1 with lossless sampling and the adaptive length policy, on the demo's real target (CPU, offline):
+SmolLM2-135M-Instruct with the drafter the demo distribution ships.
 
-python examples/batched_sampling.py        # needs the demo distribution: pip install ./demo
+python examples/batched_sampling.py        # needs the demo distribution: pip install ./demo (or make install)
 """
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 import adaflash_hf
-from adaflash_demo.world import world_artifact
+from adaflash_demo.demo import DRAFTER_DIR
+from adaflash_demo.smollm2 import load_target
 from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.chat import render_prompt
 
 
 def main():
-    tokenizer = AutoTokenizer.from_pretrained(world_artifact("tokenizer"), padding_side="left")
-    target = AutoModelForCausalLM.from_pretrained(world_artifact("target"), dtype=torch.float32)
-    drafter = AdaFlashDrafter.from_pretrained(world_artifact("drafter"), dtype=torch.float32)
-    prompts = ["def fibonacci(n):\n", "Tom has 3 apples and buys 4 more.", "The find command searches"]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    target, tokenizer = load_target(dtype=torch.float32)  # left padding, for batched prompts
+    drafter = AdaFlashDrafter.from_pretrained(DRAFTER_DIR / "drafter", dtype=torch.float32)
+    prompts = [
+        "Write a Python function that reverses a string.",
+        "Tom has 3 apples and buys 4 more. How many apples does he have?",
+        "What does the `find` command do?",
+    ]
+    batch = tokenizer(
+        [render_prompt(tokenizer, p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False
+    )  # the template already holds the special tokens
     config = GenerationConfig(
         max_new_tokens=64,
         do_sample=True,

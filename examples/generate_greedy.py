@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import adaflash_hf  # routes generate(assistant_model=drafter) to AdaFlash
 from adaflash_hf import AdaFlashDrafter
+from adaflash_hf.chat import render_prompt
 
 
 def main():
@@ -23,13 +24,11 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).to(device)
     drafter = AdaFlashDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16).to(device)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
-    inputs = tokenizer(text, return_tensors="pt").to(device)
+    # the chat template as the drafter's training rendered it (non-thinking turns)
+    input_ids = torch.tensor([render_prompt(tokenizer, args.prompt, tokenize=True)], device=device)
     with adaflash_hf.record_stats() as stats:
-        out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)
-    print(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+        out = target.generate(input_ids, assistant_model=drafter, max_new_tokens=256, do_sample=False)
+    print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
     print(stats.summary())
 
 

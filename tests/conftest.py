@@ -68,3 +68,16 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )
+
+
+@pytest.fixture(scope="session")
+def synthetic_checkpoints(tmp_path_factory, target, tokenizer):
+    """The synthetic target (with its tokenizer) and an untrained drafter with a length head, saved as the
+    directories the command lines take (``--target``, ``--drafter``): end-to-end runs in seconds."""
+    from synthetic import synthetic_drafter
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    synthetic_drafter(target, tokenizer, use_length_head=True).save_pretrained(root / "drafter")
+    return str(root / "target"), str(root / "drafter")

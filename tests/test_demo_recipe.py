@@ -1,5 +1,5 @@
 """The real target's prompts and drafter recipe: the document split, the prompt builders and the recipe's pieces
-that need no target (the end-to-end build is `adaflash-demo-recipe`, measured in BENCHMARKS.md)."""
+that need no target (the end-to-end build is `adaflash-demo recipe`, measured in BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from adaflash_demo import instructions, recipe
-from adaflash_demo.world.corpus import Document, is_heldout
+from adaflash_demo.sources import Document, is_heldout
 
 MODULE = '''
 def short(x):

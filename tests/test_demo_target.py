@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from adaflash_demo import smollm2
-from adaflash_demo.instructions import chat_prompt_ids
+from adaflash_hf.chat import render_prompt
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -142,7 +142,7 @@ def test_conversion_keeps_weights_tokenizer_and_chat_template(tiny_package, tmp_
     assert (out / "model.safetensors").is_file() and not (out.parent / "converted.tmp").exists()
     model, tokenizer = smollm2.load_target(out)
     assert "quantization_config" not in model.config.to_dict()
-    ids = torch.tensor([chat_prompt_ids(tokenizer, "hi")])
+    ids = torch.tensor([render_prompt(tokenizer, "hi", tokenize=True)])
     assert tokenizer.decode(ids[0]).endswith("<|im_start|>assistant\n")
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)

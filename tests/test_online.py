@@ -11,8 +11,8 @@ from synthetic import opd_args, prompts, synthetic_drafter
 
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.online import (
-    OnlineAdapter,
     OnlineConfig,
+    OnlineGenerator,
     PublishError,
     SampleBuffer,
     VersionStore,
@@ -106,7 +106,7 @@ def test_store_publishes_atomically_and_verify_names_the_bad_file(tmp_path):
 
 
 def test_rounds_raise_acceptance_over_versions_and_every_output_stays_lossless(target, tokenizer, tmp_path):
-    adapter = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path))
+    adapter = OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path))
     _serve(adapter, tokenizer, target, prompts(80, seed=3))
     by_version = _by_version(adapter.metrics.rows())
     print("acceptance by drafter version", by_version)
@@ -129,7 +129,7 @@ def test_background_trainer_swaps_only_between_requests(target, tokenizer, tmp_p
 
     monkeypatch.setattr(rounds_module, "OPDTrainer", CheckedTrainer)
     config = _config(tmp_path, background=True, max_versions=2)
-    with OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, config) as adapter:
+    with OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, config) as adapter:
         texts = prompts(48, seed=4)
         _serve(adapter, tokenizer, target, texts[:16])
         assert adapter.wait_for_version(1, timeout=120)
@@ -154,7 +154,7 @@ def test_a_raising_trainer_keeps_serving_and_loses_no_sample(target, tokenizer, 
 
     monkeypatch.setattr(rounds_module.OPDTrainer, "train", broken_train)
     config = _config(tmp_path, background=True, max_consecutive_failures=2)
-    with OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, config) as adapter:
+    with OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, config) as adapter:
         _serve(adapter, tokenizer, target, prompts(16, seed=5))
         deadline = time.monotonic() + 60
         while adapter.status["trainer"] == "running" and time.monotonic() < deadline:
@@ -211,7 +211,7 @@ def _truncate_and_rehash(publication):
     ],
 )
 def test_a_bad_publication_keeps_the_last_good_drafter(target, tokenizer, tmp_path, damage, reason):
-    adapter = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path))
+    adapter = OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path))
     good = _publish_good_version(adapter, tokenizer, target)
     bad = _republish(adapter, damage)
     _serve(adapter, tokenizer, target, prompts(8, seed=8))  # two requests: the bad version is tried once
@@ -228,7 +228,7 @@ def test_a_bad_publication_keeps_the_last_good_drafter(target, tokenizer, tmp_pa
 
 def test_restart_after_a_crash_mid_round_resumes_without_losing_samples(target, tokenizer, tmp_path, monkeypatch):
     config = _config(tmp_path)
-    adapter = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, config)
+    adapter = OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, config)
 
     def crash_before_consuming(sample_ids):  # the process dies right after publishing version 1
         raise KeyboardInterrupt
@@ -244,7 +244,7 @@ def test_restart_after_a_crash_mid_round_resumes_without_losing_samples(target, 
     trained = {name: tensor.clone() for name, tensor in adapter.trainer._student.state_dict().items()}
 
     # A crash inside the next round's training leaves its samples in the buffer.
-    restarted = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, config)
+    restarted = OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, config)
     assert len(restarted.buffer) == 0  # recovery finished version 1's consumption
     assert restarted.versions == {"drafter": 1}
     assert all(torch.equal(trained[n], t) for n, t in restarted.base_drafter.state_dict().items())
@@ -256,7 +256,7 @@ def test_restart_after_a_crash_mid_round_resumes_without_losing_samples(target, 
     assert len(restarted.buffer) == 16
 
     monkeypatch.undo()
-    again = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, config)
+    again = OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, config)
     again.train_ready_rounds()
     assert again.store.latest("drafter").version == 2 and len(again.buffer) == 0
     requests = read_metrics(tmp_path / "swap" / "metrics.jsonl", "request")
@@ -276,7 +276,7 @@ def test_domain_adapters_route_per_row_in_mixed_batches_losslessly(target, token
     synthetic_drafter(target, tokenizer).save_pretrained(tmp_path / "drafter")
     base = AdaFlashDrafter.from_pretrained(tmp_path / "drafter")
     base_weights = {name: tensor.clone() for name, tensor in base.state_dict().items()}
-    adapter = OnlineAdapter(target, base, tokenizer, config)
+    adapter = OnlineGenerator(target, base, tokenizer, config)
     texts = prompts(96, seed=12)
     _serve(adapter, tokenizer, target, texts, _domains(texts))  # mixed batches throughout
     assert set(adapter.versions) == {"adapter-odd", "adapter-even"} and min(adapter.versions.values()) >= 2
@@ -287,7 +287,7 @@ def test_domain_adapters_route_per_row_in_mixed_batches_losslessly(target, token
     assert all(torch.equal(base_weights[n], t) for n, t in frozen.items())  # only the adapters were trained
 
     held_out = prompts(32, seed=13)
-    shared = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path / "shared"))
+    shared = OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path / "shared"))
     shared.trainer.ready = lambda: []  # the same base drafter, never adapted
     _serve(adapter, tokenizer, target, held_out, _domains(held_out))
     _serve(shared, tokenizer, target, held_out, _domains(held_out))
@@ -331,11 +331,11 @@ def test_online_config_errors_are_clear(tmp_path, target, tokenizer):
 
     wrapped = get_peft_model(synthetic_drafter(target, tokenizer), LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(TypeError, match="needs a bare AdaFlashDrafter"):
-        OnlineAdapter(target, wrapped, tokenizer, _config(tmp_path))
+        OnlineGenerator(target, wrapped, tokenizer, _config(tmp_path))
 
 
 def test_a_round_of_responses_too_short_for_a_block_is_consumed_without_a_version(target, tokenizer, tmp_path):
-    adapter = OnlineAdapter(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path))
+    adapter = OnlineGenerator(target, synthetic_drafter(target, tokenizer), tokenizer, _config(tmp_path))
     batch = tokenizer(prompts(16, seed=15), return_tensors="pt", padding=True)
     for start in range(0, 16, 4):
         short = dict(GREEDY, max_new_tokens=6)  # fewer tokens than the block (8) + 1
@@ -343,3 +343,14 @@ def test_a_round_of_responses_too_short_for_a_block_is_consumed_without_a_versio
     assert adapter.store.channels() == [] and len(adapter.buffer) == 0
     skipped = adapter.metrics.rows("round_skipped")
     assert len(skipped) == 1 and skipped[0]["samples"] == 16
+
+
+def test_the_old_name_works_for_one_release_and_warns():
+    import adaflash_hf
+    import adaflash_hf.online
+
+    with pytest.warns(FutureWarning, match="renamed `OnlineGenerator`"):
+        assert adaflash_hf.online.OnlineAdapter is OnlineGenerator
+    for _ in range(2):  # every use warns: the top-level lazy export does not cache the old name
+        with pytest.warns(FutureWarning, match="renamed `OnlineGenerator`"):
+            assert adaflash_hf.OnlineAdapter is OnlineGenerator

@@ -61,10 +61,8 @@ def wheels(tmp_path_factory):
     return library, demo
 
 
-@pytest.fixture(scope="module")
-def fresh_env(wheels, tmp_path_factory):
-    """A new virtual environment with the library wheel installed (not the demo) and the dependencies borrowed."""
-    root = tmp_path_factory.mktemp("venv")
+def _fresh_env(root: Path, *wheels: Path) -> Path:
+    """A new virtual environment with ``wheels`` installed (not editable) and the dependencies borrowed."""
     venv.create(root, with_pip=False)
     python = root / "bin" / "python"
     purelib = subprocess.run(
@@ -76,10 +74,22 @@ def fresh_env(wheels, tmp_path_factory):
     dependencies = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     Path(purelib, "borrowed_dependencies.pth").write_text("\n".join(sorted(dependencies)) + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheels[0])],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", *map(str, wheels)],
         check=True,
     )
     return root
+
+
+@pytest.fixture(scope="module")
+def fresh_env(wheels, tmp_path_factory):
+    """The library wheel alone."""
+    return _fresh_env(tmp_path_factory.mktemp("venv"), wheels[0])
+
+
+@pytest.fixture(scope="module")
+def demo_env(wheels, tmp_path_factory):
+    """The library wheel and the demo wheel."""
+    return _fresh_env(tmp_path_factory.mktemp("venv-demo"), *wheels)
 
 
 def _run(env_root: Path, *command: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -104,14 +114,17 @@ def test_library_wheel_holds_every_subpackage_and_no_data(wheels):
     assert not [n for n in names if n.startswith(("adaflash_demo", "tests", "trainers", "bench", "examples"))]
 
 
-@pytest.mark.parametrize("shipped", ["world/data", "data/smollm2-drafter"])
-def test_demo_wheel_carries_the_demo_artifacts(wheels, shipped):
+def test_demo_wheel_carries_the_demo_artifacts_and_no_results(wheels):
     names = set(zipfile.ZipFile(wheels[1]).namelist())
     packages = {".".join(Path(n).parent.parts) for n in names if n.endswith("/__init__.py")}
     assert packages == _source_packages(REPO / "demo", "adaflash_demo")
-    shipped = REPO / "demo" / "adaflash_demo" / shipped
+    shipped = REPO / "demo" / "adaflash_demo" / "data" / "smollm2-drafter"
     expected = {path.relative_to(REPO / "demo").as_posix() for path in shipped.rglob("*") if path.is_file()}
     assert expected and expected <= names
+    # the benchmark's run scripts and recorded results live beside its harness in the repository, not in the wheel
+    assert not [n for n in names if "/results/" in n or n.endswith(".sh")]
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "adaflash-demo = adaflash_demo.cli:main" in zipfile.ZipFile(wheels[1]).read(entry_points).decode()
 
 
 def test_installed_library_imports_and_runs_its_commands(fresh_env, tmp_path, target, tokenizer):
@@ -121,17 +134,18 @@ def test_installed_library_imports_and_runs_its_commands(fresh_env, tmp_path, ta
         "assert 'trl' not in sys.modules, 'inference should not import TRL'\n"
         "modules = [m.name for m in pkgutil.walk_packages(adaflash_hf.__path__, 'adaflash_hf.')]\n"
         "for name in modules: importlib.import_module(name)\n"
-        "from adaflash_hf import AdaFlashDrafter, OPDConfig, OPDTrainer, OnlineAdapter\n"
+        "from adaflash_hf import AdaFlashDrafter, OPDConfig, OPDTrainer, OnlineGenerator\n"
         "print(adaflash_hf.__file__)\n"
         "print(importlib.util.find_spec('adaflash_demo'))\n"
     )
     location, demo = _run(fresh_env, python, "-c", check, cwd=tmp_path).stdout.split()
     assert location.startswith(str(fresh_env)) and demo == "None"  # the wheel's copy, and no demo beside it
 
-    assert "online" in _run(fresh_env, "adaflash", "--help", cwd=tmp_path).stdout
+    assert "{train,online}" in _run(fresh_env, "adaflash", "--help", cwd=tmp_path).stdout
+    assert "--teacher_model_name_or_path" in _run(fresh_env, "adaflash", "train", "--help", cwd=tmp_path).stdout
     assert "--swap-dir" in _run(fresh_env, "adaflash", "online", "--help", cwd=tmp_path).stdout
-    missing = _run(fresh_env, "adaflash", "demo", cwd=tmp_path, check=False)
-    assert missing.returncode != 0 and "pip install ./demo" in missing.stderr
+    demo = _run(fresh_env, "adaflash", "demo", cwd=tmp_path, check=False)  # the demo's verbs are the demo's
+    assert demo.returncode == 2 and "invalid choice: 'demo'" in demo.stderr
 
     # a short verb end to end: one training step of a fresh drafter on the synthetic target
     target.save_pretrained(tmp_path / "target")
@@ -153,3 +167,25 @@ def test_installed_library_imports_and_runs_its_commands(fresh_env, tmp_path, ta
     run = tmp_path / "run"
     _run(fresh_env, "adaflash", "train", "--config", "recipe.yaml", "max_steps=1", f"output_dir={run}", cwd=tmp_path)
     assert (run / "model.safetensors").exists() and (run / "README.md").exists()
+
+
+def test_installed_demo_runs_its_own_command(demo_env, tmp_path, synthetic_checkpoints):
+    """`adaflash-demo`, the demo wheel's console script, beside the library wheel: its verbs, and `demo` end to end
+    on a user's prompt file (every prompt of it) and --target/--drafter."""
+    help_text = _run(demo_env, "adaflash-demo", "--help", cwd=tmp_path).stdout
+    assert "{demo,bench,recipe,online}" in help_text
+    assert "--work_dir" in _run(demo_env, "adaflash-demo", "recipe", "--help", cwd=tmp_path).stdout
+    target, drafter = synthetic_checkpoints
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(5)))
+    args = ["demo", "--target", target, "--drafter", drafter, "--prompts", "prompts.jsonl", "--max-new-tokens", "8"]
+    result = _run(demo_env, "adaflash-demo", *args, cwd=tmp_path)
+    assert "prompts: 5 from prompts.jsonl (custom 5)" in result.stderr
+    assert "outputs identical to plain generate(): 5/5" in result.stdout
+    location = _run(
+        demo_env,
+        str(demo_env / "bin" / "python"),
+        "-c",
+        "import adaflash_demo; print(adaflash_demo.__file__)",
+        cwd=tmp_path,
+    )
+    assert location.stdout.startswith(str(demo_env))

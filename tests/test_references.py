@@ -11,7 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ALGORITHM = REPO / "docs" / "algorithm.md"
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg"}
-# Top-level folders of the repository (and the retired `model_cards/`, so a stale mention of it fails).
+# Top-level folders of the repository, and the retired `model_cards/`, `trainers/` (now examples/scripts/) and `bench/`
+# (now in demo/adaflash_demo/bench/), so a stale mention of one fails.
 ROOTS = ("adaflash_hf", "demo", "docs", "trainers", "tests", "examples", "bench", ".ci", "model_cards")
 PATH = re.compile(r"(?<![\w/.-])((?:" + "|".join(map(re.escape, ROOTS)) + r")/[\w./*-]*[\w*/])")
 SECTIONS = re.compile(r"docs/algorithm\.md ((?:§[\d.]+(?:-[\d.]+)?(?:, )?)+)")

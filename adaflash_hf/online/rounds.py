@@ -50,7 +50,7 @@ def drafter_from_state(config, state: dict) -> AdaFlashDrafter:
 
 
 class RoundTrainer:
-    """Runs rounds for an `OnlineAdapter`.
+    """Runs rounds for an `OnlineGenerator`.
 
     Args:
         target: the frozen target (the teacher).

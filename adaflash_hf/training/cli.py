@@ -13,14 +13,17 @@ four dataclasses, and command-line overrides of any of them, given as ``field=va
 
 ::
 
-    adaflash train --config trainers/adaflash_qwen3_8b.yaml
-    adaflash train --config trainers/adaflash_qwen3_8b.yaml max_steps=5 learning_rate=1e-4
-    adaflash train --config trainers/adaflash_qwen3_8b.yaml --resume_from_checkpoint true   # latest checkpoint
-    accelerate launch --num_processes 2 trainers/train_opd.py --config trainers/adaflash_qwen3_8b.yaml
+    adaflash train --config examples/scripts/adaflash_qwen3_8b.yaml
+    adaflash train --config examples/scripts/adaflash_qwen3_8b.yaml max_steps=5 learning_rate=1e-4
+    adaflash train --config examples/scripts/adaflash_qwen3_8b.yaml --resume_from_checkpoint true  # the latest
+    accelerate launch --num_processes 2 examples/scripts/train_opd.py \
+        --config examples/scripts/adaflash_qwen3_8b.yaml
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -58,24 +61,57 @@ class OPDScriptArguments:
             self.new_drafter = json.loads(self.new_drafter)
 
 
-def make_parser(prog: str = "adaflash train") -> TrlParser:
-    return TrlParser((OPDScriptArguments, OPDConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+DATACLASS_TYPES = (OPDScriptArguments, OPDConfig, ModelConfig, DatasetMixtureConfig)
 
 
-def _as_flags(argv: list[str]) -> list[str]:
-    """``field=value`` overrides become ``--field value``, the form `TrlParser` (argparse) reads."""
+def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str = "adaflash train") -> TrlParser:
+    """The `train` parser, registered as TRL's scripts register theirs: a sub-command of ``subparsers`` (created
+    with ``parser_class=TrlParser``, as `adaflash`'s are) or, without it, a parser of its own (the scripts)."""
+    if subparsers is None:
+        return TrlParser(DATACLASS_TYPES, prog=prog)
+    parser = subparsers.add_parser(
+        "train",
+        help="OPD training from a YAML recipe (examples/scripts/*.yaml), with field=value overrides; --help lists "
+        "the fields",
+        description=__doc__.split("\n\n")[0],
+        dataclass_types=DATACLASS_TYPES,
+    )
+    parser.set_defaults(func=_train_command)
+    return parser
+
+
+def field_overrides(argv: list[str], names: set[str]) -> list[str]:
+    """``field=value`` overrides become ``--field value``, the form `TrlParser` (argparse) reads; only tokens that
+    name one of ``names`` (the dataclass fields), so a value such as a path holding ``=`` is left as it is."""
     flags = []
     for token in argv:
         match = _OVERRIDE.match(token)
-        flags += ["--" + match.group(1), match.group(2)] if match else [token]
+        flags += ["--" + match.group(1), match.group(2)] if match and match.group(1) in names else [token]
     return flags
+
+
+def field_names(dataclass_types) -> set[str]:
+    return {f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init}
+
+
+def from_namespace(namespace: argparse.Namespace, dataclass_types) -> tuple:
+    """The dataclasses of a sub-command's parsed arguments, as `HfArgumentParser.parse_args_into_dataclasses` builds
+    them for a parser of its own."""
+    values = vars(namespace)
+    return tuple(
+        dtype(**{f.name: values[f.name] for f in dataclasses.fields(dtype) if f.init and f.name in values})
+        for dtype in dataclass_types
+    )
 
 
 def parse_args(argv: list[str] | None = None):
     """``(script_args, training_args, model_args, dataset_args)`` from a recipe and command-line overrides."""
-    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
-        _as_flags(list(argv or []))
-    )
+    parsed = make_parser().parse_args_and_config(field_overrides(list(argv or []), field_names(DATACLASS_TYPES)))
+    return check_args(*parsed)
+
+
+def check_args(script_args, training_args, model_args, dataset_args):
+    """Names every missing piece of a training run at once, before any model loads."""
     problems = []
     if (model_args.model_name_or_path is None) == (script_args.new_drafter is None):
         problems.append(
@@ -87,7 +123,7 @@ def parse_args(argv: list[str] | None = None):
     if not dataset_args.datasets:
         problems.append("`datasets` is required: a list like [{path: json, data_files: prompts.jsonl}]")
     if problems:
-        raise ValueError("adaflash train: " + "; ".join(problems) + " (see trainers/*.yaml)")
+        raise ValueError("; ".join(problems) + " (see examples/scripts/*.yaml)")
     if str(training_args.resume_from_checkpoint).lower() == "true":
         training_args.resume_from_checkpoint = True  # Trainer.train: True = the latest checkpoint in output_dir
     return script_args, training_args, model_args, dataset_args
@@ -121,10 +157,23 @@ def build_trainer(script_args, training_args, model_args, dataset_args) -> OPDTr
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``adaflash train`` and ``trainers/train_opd.py``: trains (resuming when
-    ``resume_from_checkpoint`` is set), saves the final drafter and its model card into ``output_dir``, and pushes
-    it to the Hub when ``push_to_hub`` is set."""
-    script_args, training_args, model_args, dataset_args = parse_args(argv)
+    """Entry point of ``examples/scripts/train_opd.py`` (``adaflash train`` parses the same fields as a
+    sub-command): trains, resuming when ``resume_from_checkpoint`` is set, saves the final drafter and its model card
+    into ``output_dir``, and pushes it to the Hub when ``push_to_hub`` is set."""
+    return train(*parse_args(argv))
+
+
+def _train_command(namespace: argparse.Namespace) -> int:
+    from ..cli import CommandError
+
+    try:
+        parsed = check_args(*from_namespace(namespace, DATACLASS_TYPES))
+    except ValueError as error:  # a missing field, or `new_drafter` that is not JSON
+        raise CommandError(str(error)) from None
+    return train(*parsed)
+
+
+def train(script_args, training_args, model_args, dataset_args) -> int:
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()

@@ -50,8 +50,8 @@ class OPDConfig(DistillationConfig):
             Rows projected to the vocabulary at once in the loss; bounds the memory of large vocabularies.
         loss_checkpointing (`bool`, *optional*, defaults to `True`):
             Recompute each chunk's logits in the backward pass instead of keeping them: peak memory of one
-            `[loss_chunk_size, V]` block. `False` keeps them (about `6 * rows * V` floats) and makes the loss about
-            1.6x faster, worth it on a CPU with memory to spare.
+            `[loss_chunk_size, V]` block. `False` keeps them (about `6 * rows * V` floats) and skips the second
+            projection of every chunk, worth it where memory is to spare (the demo recipe trains so).
         feature_cache_dir (`str` or `None`, *optional*):
             Store the target's features of every sequence here the first time it is seen and read them back after
             (`adaflash_hf.training.FeatureCache`): later epochs, evaluations and resumed runs skip the target
@@ -187,7 +187,7 @@ class OPDConfig(DistillationConfig):
     loss_checkpointing: bool = field(
         default=True,
         metadata={
-            "help": "Recompute each chunk's logits in backward (bounded memory); False keeps them, about 1.6x faster."
+            "help": "Recompute each chunk's logits in backward (bounded memory); False keeps them and skips that work."
         },
     )
     feature_cache_dir: str | None = field(

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..utils import write_json_atomic
+from ..utils import atomic_path, write_json_atomic
 from .blocks import BlockLayout, block_attention_mask, block_label_positions, block_noise_ids, block_position_ids
 from .losses import TeacherTop, teacher_top
 
@@ -54,8 +54,9 @@ class FeatureCache:
     """The target's features of each training sequence on disk, so that only the first time a sequence is seen pays
     the target forward: later epochs, evaluations and resumed runs read them back.
 
-    With fixed responses (offline pairs, or rollouts generated once) the target forward is the same every epoch and
-    costs about 40% of a CPU training step of a small drafter; reading the stored features costs milliseconds.
+    With fixed responses (offline pairs, or rollouts generated once) the target forward is the same every epoch, and
+    for a small drafter it is a large part of each training step; reading stored features replaces it with a file
+    read (the demo recipe's build: BENCHMARKS.md §1).
 
     One safetensors file per sequence (``context [L, K*H]``, ``last_hidden [L, H]``, and the teacher's
     whole-vocabulary ``teacher_argmax [L]`` / ``teacher_logsumexp [L]`` computed from the stored ``last_hidden``),
@@ -174,12 +175,9 @@ class FeatureCache:
         return len(todo)
 
     def _write(self, key: str, tensors: dict[str, torch.Tensor]):
-        final = self.path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
-        save_file(tensors, str(staging))
-        os.replace(staging, final)
+        with atomic_path(self.path(key)) as staging:
+            save_file(tensors, str(staging))
 
     def _pad(self, rows: list[torch.Tensor], width: int) -> torch.Tensor:
         out = rows[0].new_zeros((len(rows), width, rows[0].shape[-1]))

@@ -135,7 +135,7 @@ def row_statistics(
         divergences (`tuple[str, ...]`): which of ``"forward_kl"`` and ``"reverse_kl"`` to compute (the others are
             zeros); `LOSS_DIVERGENCES` names what each loss type needs.
         checkpointing (`bool`): recompute each chunk's ``[chunk, V]`` logits in backward instead of keeping them
-            (bounded memory; about 1.6x the loss time on a CPU, where memory is rarely the limit).
+            (bounded memory, at the price of projecting every chunk a second time).
         draft_vocab (`[V_d]`, *optional*): the drafter's reduced vocabulary (``AdaFlashConfig.draft_vocab``). The
             student is a distribution over these tokens only, as at inference: its logits use only these rows of
             the head (``V_d / V`` of the cost). The teacher stays the whole-vocabulary target: its argmax and

@@ -21,6 +21,7 @@ from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from ..chat import render_prompt
 from ..utils import atomic_directory
 
 PROMPT_COLUMNS = ("prompt", "messages", "prompt_ids")
@@ -50,12 +51,6 @@ def is_offline(dataset: Dataset) -> bool:
     return False
 
 
-def _render(tokenizer, messages, chat_template_kwargs) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
-    # The template already holds the special tokens; adding them again would duplicate BOS on Llama templates.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def encode_example(example: dict, tokenizer, chat_template_kwargs: dict) -> dict:
     """``{"prompt_ids": [...]}`` plus ``"completion_ids"`` for offline rows. Conversations are rendered with the
     chat template and a generation prompt (docs/algorithm.md §4.1: loss on the last assistant turn only)."""
@@ -67,11 +62,11 @@ def encode_example(example: dict, tokenizer, chat_template_kwargs: dict) -> dict
         messages = example["messages"]
         if messages[-1].get("role") == "assistant":
             messages, completion = messages[:-1], messages[-1]["content"]
-        prompt_ids = _render(tokenizer, messages, chat_template_kwargs)
+        prompt_ids = render_prompt(tokenizer, messages, tokenize=True, **chat_template_kwargs)
     elif isinstance(prompt, str):
         prompt_ids = tokenizer(prompt)["input_ids"]
     else:
-        prompt_ids = _render(tokenizer, prompt, chat_template_kwargs)
+        prompt_ids = render_prompt(tokenizer, prompt, tokenize=True, **chat_template_kwargs)
     encoded = {"prompt_ids": prompt_ids}
     if completion is not None:
         if not isinstance(completion, str):  # conversational completion: [{"role": "assistant", "content": ...}]

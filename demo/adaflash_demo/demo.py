@@ -1,4 +1,5 @@
-"""`adaflash demo`: plain `generate()` against AdaFlash on the real target, prompt by prompt, side by side.
+"""The data and the report of `adaflash-demo demo`: the shipped prompts and streams, the user's prompt files, and
+the per-domain records that compare plain `generate()` with AdaFlash.
 
 The default run serves the shipped held-out prompts of the five domains to SmolLM2-135M-Instruct with the shipped
 drafter. ``--prompts FILE.jsonl`` serves the user's own prompts instead: one JSON object per line with ``prompt``
@@ -8,9 +9,11 @@ drafter. ``--prompts FILE.jsonl`` serves the user's own prompts instead: one JSO
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from adaflash_hf.cli import read_stream
+from adaflash_hf.utils import read_jsonl
 
 from .instructions import DOMAINS
 
@@ -18,29 +21,29 @@ DATA_DIR = Path(__file__).parent / "data"
 DRAFTER_DIR = DATA_DIR / "smollm2-drafter"
 
 
-class PromptFileError(ValueError):
-    """A prompt file line that the demo cannot serve; the message names the line and the fix."""
-
-
 # The recipe measures on the first 16 held-out prompts of each domain and lets the other 16 decide when training
 # stops (adaflash_demo.recipe.validation_prompts); the demo and the benchmark serve only the first 16.
 EVALUATION_PROMPTS = 16
 
-# What `adaflash demo` shows against plain generate(): the planner, which never verifies what cannot pay.
+# What `adaflash-demo demo` shows against plain generate(): the planner, which never verifies what cannot pay.
 DEMO_METHOD = "adaflash_planned"
 
 
-def shipped_prompts(per_domain: int, data_dir: Path = DRAFTER_DIR) -> dict[str, list[str]]:
+def _shipped_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall the demo distribution (`pip install ./demo`).")
+    return read_jsonl(path)
+
+
+def shipped_prompts(per_domain: int = EVALUATION_PROMPTS, data_dir: Path = DRAFTER_DIR) -> dict[str, list[str]]:
     """The first ``min(per_domain, EVALUATION_PROMPTS)`` held-out prompts of each domain, as shipped with the
     drafter."""
-    prompts = {}
-    for domain in DOMAINS:
-        path = Path(data_dir) / "prompts" / f"{domain}.heldout.jsonl"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: reinstall the demo package (`pip install ./demo`).")
-        prompts[domain] = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-        prompts[domain] = prompts[domain][: min(per_domain, EVALUATION_PROMPTS)]
-    return prompts
+    return {
+        domain: [row["prompt"] for row in _shipped_rows(Path(data_dir) / "prompts" / f"{domain}.heldout.jsonl")][
+            : min(per_domain, EVALUATION_PROMPTS)
+        ]
+        for domain in DOMAINS
+    }
 
 
 def stream_prompts(domain: str, data_dir: Path = DRAFTER_DIR) -> list[dict]:
@@ -54,47 +57,17 @@ def stream_prompts(domain: str, data_dir: Path = DRAFTER_DIR) -> list[dict]:
         raise ValueError(f"unknown domain {domain!r}: the real target's domains are {', '.join(DOMAINS)}, or all")
     prompts = Path(data_dir) / "prompts"
     path = prompts / f"{domain}.stream.jsonl"
-    path = path if path.exists() else prompts / f"{domain}.heldout.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall the demo package (`pip install ./demo`).")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = _shipped_rows(path if path.exists() else prompts / f"{domain}.heldout.jsonl")
     return [{"prompt": row["prompt"], "domain": domain} for row in rows]
 
 
 def read_prompt_file(path: str | Path) -> dict[str, list[str]]:
-    """``{domain: [prompt, ...]}`` from a JSONL file of ``{"prompt": ..., "domain": ...}`` objects."""
+    """``{domain: [prompt, ...]}``: every prompt of the user's JSONL file, in its order, grouped by its ``domain``
+    (``"custom"`` when a row has none). A bad row raises `adaflash_hf.cli.CommandError`, naming the row."""
     prompts: dict[str, list[str]] = {}
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise PromptFileError(
-                f"{path}:{number} is not JSON ({error.msg}); write one JSON object per line."
-            ) from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise PromptFileError(
-                f'{path}:{number} has no `prompt` text; each line must be like {{"prompt": "...", "domain": "code"}}.'
-            )
-        prompts.setdefault(str(row.get("domain", "custom")), []).append(row["prompt"])
-    if not prompts:
-        raise PromptFileError(f"{path} holds no prompts; write one JSON object with a `prompt` per line.")
+    for row in read_stream(path):
+        prompts.setdefault(str(row.get("domain") or "custom"), []).append(row["prompt"])
     return prompts
-
-
-def chat_texts(tokenizer, prompts: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Each prompt as the user turn of the target's chat template, ready for the assistant's answer; as it is when
-    the tokenizer has no template (a base model continues the text)."""
-    if tokenizer.chat_template is None:
-        return prompts
-    return {
-        domain: [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in texts
-        ]
-        for domain, texts in prompts.items()
-    }
 
 
 @dataclass

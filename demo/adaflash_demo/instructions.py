@@ -23,16 +23,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .world.corpus import (
+from .sources import (
     CorpusConfig,
     Document,
+    changelog_documents,
     code_documents,
     is_heldout,
     man_documents,
     math_documents,
     prose_documents,
 )
-from .world.stream import StreamConfig, changelog_documents
 
 TRAINED_DOMAINS = ("code", "docs", "shell", "math")
 UNSEEN_DOMAIN = "changelog"
@@ -182,7 +182,7 @@ def source_documents(domain: str, seed: int, corpus: CorpusConfig | None = None)
     if domain == "math":
         return math_documents(corpus, rng)
     if domain == "changelog":
-        documents = changelog_documents(StreamConfig())
+        documents = changelog_documents(corpus)
         rng.shuffle(documents)
         return iter(documents)
     raise ValueError(f"Unknown domain {domain!r}; the domains are {', '.join(DOMAINS)}.")
@@ -214,15 +214,6 @@ def build_domain(domain: str, config: InstructionConfig, seed: int, corpus: Corp
     for split, count in wanted.items():
         rows[split] = rows[split][:count]
     return rows
-
-
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of a user turn through the target's chat template, ready for the assistant's answer."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    # The template already holds the special tokens; adding them again would duplicate them.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def read_changelog(path: Path) -> str:

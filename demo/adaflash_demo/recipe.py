@@ -13,7 +13,7 @@ interrupted build resumes where it stopped):
 6. ``ship``: the drafter in the official DFlash format (bf16 safetensors + config) with its length head and a
    model card, plus the held-out prompts, into ``ship_dir``.
 
-Run it with ``adaflash-demo-recipe --config demo/recipes/smollm2-drafter.yaml`` (any field can be overridden on
+Run it with ``adaflash-demo recipe --config demo/recipes/smollm2-drafter.yaml`` (any field can be overridden on
 the command line, e.g. ``--max_steps 50``).
 """
 
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.utils import atomic_directory, read_jsonl, write_jsonl
+from adaflash_hf.chat import render_prompt
+from adaflash_hf.utils import atomic_directory, read_jsonl, write_json_atomic, write_jsonl
 
 from . import instructions
 from .smollm2 import load_target
@@ -95,8 +96,8 @@ class RecipeConfig:
         default="float32",
         metadata={
             "help": "dtype of the target that computes the stored features (and teaches in the train stage). "
-            "bfloat16 is 2.5x faster on a CPU with AVX-512 BF16; its features differ from float32's by about 2% "
-            "(relative), which a drafter trained under bf16 autocast tolerates; serving stays float32 and exact."
+            "bfloat16 is 2.5x faster on a CPU with AVX-512 BF16; its features differ from float32's by about 2 percent"
+            " (relative), which a drafter trained under bf16 autocast tolerates; serving stays float32 and exact."
         },
     )
 
@@ -217,7 +218,7 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
             continue
         started = time.perf_counter()
         shard = shards[name]
-        prompt_ids = [instructions.chat_prompt_ids(tokenizer, row["prompt"]) for row in shard]
+        prompt_ids = [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in shard]
         # Similar lengths in one batch: less left padding to compute.
         order = sorted(range(len(shard)), key=lambda i: len(prompt_ids[i]))
         answers = generate_completions(
@@ -227,8 +228,7 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
         for i, answer in zip(order, answers):
             out[i] = {**shard[i], "prompt_ids": prompt_ids[i], "completion_ids": answer}
         path = layout.answers / f"{name}.jsonl"
-        write_jsonl(path.with_suffix(".tmp"), out)
-        path.with_suffix(".tmp").rename(path)
+        write_jsonl(path, out)
         tokens = sum(len(a) for a in answers)
         print(
             f"answers {name} ({number}/{len(todo)}): {tokens} tokens in {time.perf_counter() - started:.0f} s",
@@ -407,7 +407,7 @@ def stage_evaluate(config: RecipeConfig, layout: Layout) -> dict:
     results = {}
     for domain in instructions.DOMAINS:
         rows = evaluation_prompts(layout.prompts, domain, config.eval_prompts_per_domain)
-        prompts = [instructions.chat_prompt_ids(tokenizer, row["prompt"]) for row in rows]
+        prompts = [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in rows]
         results[domain] = {}
         for name, (policy, model) in runs.items():
             stats = measure_acceptance(
@@ -425,7 +425,7 @@ def stage_evaluate(config: RecipeConfig, layout: Layout) -> dict:
                 "verified_per_emitted": round(stats.verified_per_emitted, 3),
             }
         print(f"evaluate {domain}: {results[domain]}", flush=True)
-    layout.evaluation.write_text(json.dumps(results, indent=1) + "\n")
+    write_json_atomic(layout.evaluation, results, indent=1)
     return results
 
 
@@ -510,10 +510,36 @@ def run(config: RecipeConfig) -> None:
         print(f"stage {stage}: {time.perf_counter() - started:.0f} s", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def make_parser(subparsers=None):
+    """The recipe's parser (a YAML ``--config`` and any field on the command line), registered as TRL's scripts
+    register theirs: the ``recipe`` sub-command of ``adaflash-demo``, or a parser of its own."""
     from trl import TrlParser
 
-    (config,) = TrlParser((RecipeConfig,)).parse_args_and_config(argv)
+    if subparsers is None:
+        return TrlParser((RecipeConfig,), prog="python -m adaflash_demo.recipe")
+    parser = subparsers.add_parser(
+        "recipe",
+        help="build, evaluate and ship the SmolLM2 drafter (resumable stages)",
+        dataclass_types=(RecipeConfig,),
+    )
+    parser.set_defaults(func=_recipe_command)
+    return parser
+
+
+def _recipe_command(namespace) -> int:
+    from adaflash_hf.cli import CommandError
+    from adaflash_hf.training.cli import from_namespace
+
+    try:
+        (config,) = from_namespace(namespace, (RecipeConfig,))
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    run(config)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    (config,) = make_parser().parse_args_and_config(argv)
     run(config)
 
 

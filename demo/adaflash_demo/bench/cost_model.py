@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.generation.verify_layout import SMALL_TOKENS, TransposedLinear
+from adaflash_hf.utils import write_json_atomic
 
 NEW_CONTEXT = 4
 
@@ -175,8 +176,7 @@ def main(argv=None) -> None:
     )
     print(markdown(rows))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
+        write_json_atomic(args.json, rows, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""The demo distribution's own command, `adaflash-demo`: `demo` and `bench` on a user's prompt file (every prompt
+runs unless a limit is given) and on --target/--drafter (the synthetic checkpoints, seconds), `online` on the real
+target's shipped streams, and `demo` on the real target itself (the README's main job, shortened)."""
+
+import json
+
+import pytest
+from synthetic import prompts
+
+from adaflash_demo.cli import chosen_prompts, main
+from adaflash_demo.demo import read_prompt_file, stream_prompts
+from adaflash_hf.cli import CommandError
+
+
+def _prompt_file(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_demo_runs_every_prompt_of_a_file_and_says_how_many(synthetic_checkpoints, tmp_path, capsys):
+    # five prompts in one domain: the default limit of the shipped prompts (4) must not cut the user's file
+    target, drafter = synthetic_checkpoints
+    rows = [{"prompt": p, "domain": "mine"} for p in prompts(5)] + [{"prompt": prompts(1, seed=1)[0]}]
+    path, out = _prompt_file(tmp_path / "prompts.jsonl", rows), tmp_path / "demo.jsonl"
+    args = ["demo", "--target", target, "--drafter", drafter, "--prompts", path, "--max-new-tokens", "12"]
+    assert main([*args, "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert f"prompts: 6 from {path} (mine 5, custom 1)" in printed.err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["domain"], r["n"], r["identical"]) for r in records] == [("mine", 5, 5), ("custom", 1, 1)]
+    keys = {"domain", "identical", "n", "mean_acceptance_length", "plain_tokens_per_s", "adaflash_tokens_per_s"}
+    assert all(keys | {"speedup"} == set(r) for r in records)
+    assert "outputs identical to plain generate(): 6/6" in printed.out
+
+    assert main([*args, "--prompts-per-domain", "2", "--json", str(out)]) == 0  # a limit given: it applies
+    assert f"prompts: 3 from {path} (mine 2, custom 1)" in capsys.readouterr().err
+    assert [r["n"] for r in map(json.loads, out.read_text().splitlines())] == [2, 1]
+
+
+def test_bench_serves_a_whole_prompt_file_in_batches_per_domain(synthetic_checkpoints, tmp_path, capsys):
+    target, drafter = synthetic_checkpoints
+    path = _prompt_file(tmp_path / "prompts.jsonl", [{"prompt": p, "domain": "mixed"} for p in prompts(4)])
+    out = tmp_path / "out.json"
+    args = ["bench", "--target", target, "--drafter", drafter, "--prompts", path, "--quick"]
+    args += ["--methods", "plain,adaflash_fixed,adaflash_planned", "--batch-sizes", "1,4", "--max-new-tokens", "12"]
+    assert main([*args, "--json", str(out), "--markdown", str(tmp_path / "out.md")]) == 0
+    assert f"prompts: 4 from {path} (mixed 4)" in capsys.readouterr().err
+    records = json.loads(out.read_text())
+    assert {(r["domain"], r["batch_size"]) for r in records} == {("mixed", 1), ("mixed", 4)}
+    assert {r["method"] for r in records} == {"plain", "adaflash_fixed", "adaflash_planned"}
+    assert all(r["identical_fraction"] == 1.0 for r in records)
+    assert "| adaflash_planned |" in (tmp_path / "out.md").read_text()
+
+
+def test_without_a_file_the_shipped_prompts_are_limited_and_a_user_target_gets_generic_ones(capsys):
+    class Args:
+        prompts, target, prompts_per_domain = None, None, None
+
+    shipped = chosen_prompts(Args, default_per_domain=4)
+    assert list(shipped) == ["code", "docs", "shell", "math", "changelog"]
+    assert {len(texts) for texts in shipped.values()} == {4}
+    assert "prompts: 20 from the shipped held-out prompts" in capsys.readouterr().err
+    Args.prompts_per_domain = 100  # never more than the 16 the recipe measured on
+    assert {len(texts) for texts in chosen_prompts(Args, default_per_domain=4).values()} == {16}
+    Args.target, Args.prompts_per_domain = "some/model", None
+    assert list(chosen_prompts(Args, default_per_domain=4)) == ["chat"]
+    Args.prompts_per_domain = 0
+    with pytest.raises(CommandError, match="--prompts-per-domain 0"):
+        chosen_prompts(Args, default_per_domain=4)
+
+
+def test_a_bad_prompt_file_exits_naming_the_row(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"domain": "code"}\n')
+    with pytest.raises(CommandError, match="row 2 has no `prompt` text"):
+        read_prompt_file(path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--prompts", str(path), "--max-new-tokens", "4"])
+    assert exit_info.value.code == 2 and "adaflash-demo demo: error:" in capsys.readouterr().err
+
+
+def test_the_real_targets_streams_are_shipped_and_disjoint():
+    changelog = stream_prompts("changelog")
+    assert len(changelog) == 256 and {row["domain"] for row in changelog} == {"changelog"}
+    heldout = {row["prompt"] for row in stream_prompts("code")}
+    assert len(heldout) == 32 and not heldout & {row["prompt"] for row in changelog}
+    mixed = stream_prompts("all")
+    assert [row["domain"] for row in mixed[:5]] == ["code", "docs", "shell", "math", "changelog"]
+    with pytest.raises(ValueError, match="unknown domain 'prose'"):
+        stream_prompts("prose")
+
+
+def test_online_refuses_a_user_target_without_its_stream(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["online", "--target", "t", "--drafter", "d", "--swap-dir", str(tmp_path / "swap")])
+    assert "--target needs a --prompts stream" in capsys.readouterr().err
+
+
+def test_recipe_is_a_sub_command_with_the_recipes_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["recipe", "--help"])
+    assert "--work_dir" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["recipe", "--stages", "nope"])
+    assert exit_info.value.code == 2 and "Unknown stage(s) ['nope']" in capsys.readouterr().err
+
+
+def test_demo_on_the_real_target_is_identical_to_plain_generate(tmp_path, capsys):
+    """The README's main job, shortened: SmolLM2-135M-Instruct (converted from its GGUF file on first use, into the
+    usual cache) with the shipped drafter, one held-out prompt per domain."""
+    out = tmp_path / "demo.jsonl"
+    assert main(["demo", "--prompts-per-domain", "1", "--max-new-tokens", "24", "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "SmolLM2-135M-Instruct" in printed.err and "smollm2-drafter" in printed.err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["domain"] for r in records] == ["code", "docs", "shell", "math", "changelog"]
+    assert all(r["identical"] == r["n"] == 1 for r in records)
+    assert "outputs identical to plain generate(): 5/5" in printed.out
