@@ -87,6 +87,11 @@ class AdaFlashPreTrainedModel(PreTrainedModel):
     base_model_prefix = ""
     supports_gradient_checkpointing = True
     _no_split_modules = ["MuseGlimmerAssistantDecoderLayer", "DFlash2DecoderLayer"]
+    # speculators checkpoints may carry the verifier's tensors and their vocabulary maps (`formats.SPECULATORS_EXTRAS`)
+    _keys_to_ignore_on_load_unexpected = [
+        r"^(embed_tokens|lm_head|verifier_lm_head|verifier_norm)\.weight$",
+        r"^(t2d|d2t)$",
+    ]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
@@ -353,7 +358,8 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Loads an official z-lab DFlash or AdaFlash checkpoint, or one of ours, from the Hub or a local dir.
+        """Loads an official z-lab DFlash, DFlash 2 or AdaFlash checkpoint, a `speculators` DFlash or DFlash 2 one,
+        or one of ours, from the Hub or a local dir.
 
         Never executes code from the repository and never unpickles (safetensors only). Accepts the usual
         `from_pretrained` keywords (`dtype`, `device_map`, `revision`, `token`, `cache_dir`, `local_files_only`)
@@ -363,8 +369,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, save_format: str = "dflash", **kwargs):
         """Saves atomically in the official DFlash schema (`save_format="dflash"`, read by SGLang, vLLM and
-        z-lab code) or in the native schema (`save_format="adaflash"`, read by `AutoModel` after `import adaflash_hf`).
-        Both use the official tensor names."""
+        z-lab code; z-lab's DFlash 2 schema for a DFlash 2 drafter), in the native schema (`save_format="adaflash"`,
+        read by `AutoModel` after `import adaflash_hf`) or in the `speculators` library's (`save_format=
+        "speculators"`, which vLLM serves; its length head goes to `length_head/` beside it, and a reduced draft
+        vocabulary needs `target_lm_head=target.get_output_embeddings()`). All use the official tensor names."""
         return save_drafter(self, save_directory, *args, save_format=save_format, **kwargs)
 
     def _save_pretrained_native(self, save_directory, *args, **kwargs):
