@@ -8,8 +8,8 @@ script runs in two interpreters, which exchange checkpoints and tensors through 
    positions, an LM head, an anchor token) and our outputs on them: the drafter's final hidden states and, for DFlash
    2, the selector's greedy path and its candidate scores at every slot.
 2. (speculators environment) each of our checkpoints loaded with speculators' classes:
-   ``SpeculatorModel.from_pretrained`` (which resolves the class from the config) and, for the strict check, the weights loaded into a model built from
-   the config: no unexpected tensor, no missing one beyond those speculators itself fills from the verifier
+   ``SpeculatorModel.from_pretrained`` (which resolves the class from the config) and, for the strict check, the
+   weights loaded into a model built from the config: no unexpected tensor, no missing one beyond those speculators itself fills from the verifier
    (``_keys_to_ignore_on_load_missing``). Its forward on the fixed inputs (``fc``/``hidden_norm`` on the context, the
    decoder layers with their convolutions, ``norm``; the selector's ``score_candidates`` along its greedy walk) must
    match ours. Then a speculators model with random weights saves a checkpoint of its own, with its outputs.
