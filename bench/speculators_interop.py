@@ -9,10 +9,11 @@ script runs in two interpreters, which exchange checkpoints and tensors through 
    2, the selector's greedy path and its candidate scores at every slot.
 2. (speculators environment) each of our checkpoints loaded with speculators' classes:
    ``SpeculatorModel.from_pretrained`` (which resolves the class from the config) and, for the strict check, the
-   weights loaded into a model built from the config: no unexpected tensor, no missing one beyond those speculators itself fills from the verifier
-   (``_keys_to_ignore_on_load_missing``). Its forward on the fixed inputs (``fc``/``hidden_norm`` on the context, the
-   decoder layers with their convolutions, ``norm``; the selector's ``score_candidates`` along its greedy walk) must
-   match ours. Then a speculators model with random weights saves a checkpoint of its own, with its outputs.
+   weights loaded into a model built from the config: no unexpected tensor, no missing one beyond those speculators
+   itself fills from the verifier (``_keys_to_ignore_on_load_missing``). Its forward on the fixed inputs (``fc`` and
+   ``hidden_norm`` on the context, the decoder layers with their convolutions, ``norm``; the selector's
+   ``score_candidates`` along its greedy walk) must match ours. Then a speculators model with random weights saves a
+   checkpoint of its own, with its outputs.
 3. (project environment) each speculators checkpoint loaded with ``AdaFlashDrafter.from_pretrained`` (whose checks
    refuse any missing, unexpected or mis-shaped tensor) must reproduce speculators' outputs.
 
