@@ -181,3 +181,16 @@ def test_a_wrong_q_is_detected(sampling_models, monkeypatch):
     samples, _ = _samples(target, drafter)
     joint = exact_joint(target)
     assert p_value([s for s in samples if s in joint], joint) < 1e-3
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "confidence"])
+def test_length_head_and_confidence_policies_combine_with_the_selector(policy):
+    """AdaFlash's length head (and the confidence policy, which reads the selector's q) size DFlash 2 drafts too."""
+    target = tiny_target()
+    drafter = dflash2_drafter(target, use_length_head=policy == "adaptive", length_policy=policy)
+    ids, mask = left_pad(PROMPTS)
+    references = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=20)[0, len(p) :] for p in PROMPTS]
+    with adaflash_hf.record_stats() as stats:
+        out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=drafter)
+    assert rows_of(out, PROMPTS) == [r.tolist() for r in references]
+    assert len({c for s in stats.steps for c in s.candidate_lengths}) > 1  # lengths vary with the policy
