@@ -16,6 +16,8 @@ import warnings
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .dflash2 import DFLASH2_ARCHITECTURE, DRAFTER_TYPES
+
 LENGTH_POLICIES = ("fixed", "adaptive", "confidence", "planned")
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
@@ -56,6 +58,10 @@ ADAFLASH_KEYS = (
     "confidence_threshold",
     "draft_vocab",
 )
+# DFlash 2 fields, under the names the engines' configs give them (z-lab's ``dflash_config``, speculators' top level).
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# z-lab DFlash 2 settings that scale the unary logits (MiniMax drafters); not implemented here, so refused if set.
+_UNSUPPORTED_LOGIT_TRANSFORMS = {"output_multiplier": 1.0, "final_logit_softcapping": None}
 # Legacy AdaFlash heads that no serving engine uses (docs/algorithm.md §6.1); their tensors are skipped, with a
 # warning.
 UNSUPPORTED_HEADS = {"use_thresh_head_subsequent": "thresh_head_subsequent.", "use_prob_head": "prob_head."}
@@ -104,6 +110,32 @@ def draft_vocab_problems(draft_vocab, vocab_size: int) -> list[str]:
     return []
 
 
+def dflash2_problems(config) -> list[str]:
+    """What is wrong with a config's drafter type and DFlash 2 geometry; empty when nothing is."""
+    if config.drafter_type not in DRAFTER_TYPES:
+        return [f"drafter_type={config.drafter_type!r} must be one of {DRAFTER_TYPES}"]
+    if config.drafter_type != "dflash2":
+        return []
+    problems = []
+    if config.conv_group_size < 1 or config.hidden_size % config.conv_group_size:
+        problems.append(
+            f"conv_group_size={config.conv_group_size} must divide hidden_size={config.hidden_size} (16 is the "
+            "engines' default)"
+        )
+    if not 1 <= config.conv_kernel_size <= config.block_size:
+        problems.append(f"conv_kernel_size={config.conv_kernel_size} must lie in [1, block_size={config.block_size}]")
+    if config.selector_rank < 1:
+        problems.append(f"selector_rank={config.selector_rank} must be >= 1")
+    if not 1 <= config.selector_top_k <= config.vocab_size:
+        problems.append(f"selector_top_k={config.selector_top_k} must lie in [1, vocab_size={config.vocab_size}]")
+    if config.draft_vocab is not None:
+        problems.append(
+            "a DFlash 2 drafter drafts over the whole vocabulary (its selector's codebooks are indexed by target "
+            "token ids, and the engines refuse a reduced one): set draft_vocab=None"
+        )
+    return problems
+
+
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The DFlash rule for which target layers feed the drafter (docs/algorithm.md §1.2).
 
@@ -148,6 +180,18 @@ class AdaFlashConfig(PreTrainedConfig):
             outputs stay exact (a token outside it simply cannot be drafted). `None` (the default): the whole
             vocabulary. The official DFlash schema has no place for it: it is saved under `adaflash_config`, which
             SGLang and vLLM ignore (they draft over the whole vocabulary with the same weights).
+
+    DFlash 2 (in-block local convolutions and a top-K candidate selector, `adaflash_hf/dflash2.py`):
+        drafter_type (`str`, defaults to `"dflash"`): `"dflash"` (the DFlash drafter) or `"dflash2"`.
+        conv_kernel_size (`int`, defaults to 2): taps of each local convolution (the slot itself and the ones before
+            it in the block); at most `block_size`.
+        conv_group_size (`int`, defaults to 16): channels sharing one dynamic coefficient; divides `hidden_size`.
+        selector_rank (`int`, defaults to 256): rank of the selector's bilinear transition.
+        selector_top_k (`int`, defaults to 16): unary candidates the selector rescores per draft slot (and the
+            branches a draft tree gets per slot).
+        The four are the engines' defaults (speculators' `DFlash2SpeculatorConfig`) and are ignored by a `"dflash"`
+        drafter. A DFlash 2 drafter drafts over the whole vocabulary (`draft_vocab` must be `None`), as the
+        engines require: its codebooks are indexed by target token ids.
 
     Adaptive length head (AdaFlash "two_model" thresh head, docs/algorithm.md §6):
         use_length_head (`bool`, defaults to `False`): whether the drafter has the head.
@@ -194,6 +238,12 @@ class AdaFlashConfig(PreTrainedConfig):
     target_layer_ids: list[int] | None = None
     num_target_layers: int = 36
     mask_token_id: int | None = None
+
+    drafter_type: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     use_length_head: bool = False
     length_head_bottleneck_dim: int = 256
@@ -246,6 +296,7 @@ class AdaFlashConfig(PreTrainedConfig):
             )
         problems += length_policy_problems(self, self)
         problems += draft_vocab_problems(self.draft_vocab, self.vocab_size)
+        problems += dflash2_problems(self)
         if problems:
             raise ValueError("Invalid AdaFlashConfig: " + "; ".join(problems))
 
@@ -268,6 +319,9 @@ class AdaFlashConfig(PreTrainedConfig):
         so a value the target's config lacks can be passed. Families name these fields differently; without any of
         the MLP width's names the drafter gets ``4 * hidden_size`` (GPT-2's convention), and per-layer-type rope
         settings (Gemma 3 and others) give the drafter, a full-attention model, those of ``full_attention``.
+
+        ``drafter_type="dflash2"`` (an override like any other) builds a DFlash 2 drafter, with the engines' default
+        ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` unless given.
         """
         text = target_config.get_text_config(decoder=True)
 
@@ -367,7 +421,12 @@ class AdaptiveLengthHeadConfig(PreTrainedConfig):
 
 
 def is_dflash_dict(raw: dict) -> bool:
-    return DFLASH_ARCHITECTURE in (raw.get("architectures") or []) or isinstance(raw.get("dflash_config"), dict)
+    architectures = raw.get("architectures") or []
+    return (
+        DFLASH_ARCHITECTURE in architectures
+        or DFLASH2_ARCHITECTURE in architectures
+        or isinstance(raw.get("dflash_config"), dict)
+    )
 
 
 def fields_from_dflash_dict(raw: dict, source: str) -> dict:
@@ -404,6 +463,10 @@ def fields_from_dflash_dict(raw: dict, source: str) -> dict:
     for key, field in _HEAD_KEYS.items():
         if key in dflash:
             fields[field] = dflash[key]
+    if DFLASH2_ARCHITECTURE in (raw.get("architectures") or []) or any(key in dflash for key in DFLASH2_KEYS):
+        fields["drafter_type"] = "dflash2"
+        fields.update({key: dflash[key] for key in DFLASH2_KEYS if key in dflash})
+        check_logit_transforms(dflash, source)
     for key in UNSUPPORTED_HEADS:
         if dflash.get(key):
             warnings.warn(
@@ -411,6 +474,19 @@ def fields_from_dflash_dict(raw: dict, source: str) -> dict:
             )
     fields.update({k: v for k, v in (raw.get("adaflash_config") or {}).items() if k in ADAFLASH_KEYS})
     return fields
+
+
+def check_logit_transforms(settings: dict, source: str) -> None:
+    """Refuses the z-lab DFlash 2 unary-logit scalings (``output_multiplier``, ``final_logit_softcapping``) this
+    library does not apply: drafting without them would propose from other logits than the checkpoint's."""
+    found = {
+        k: settings[k] for k, default in _UNSUPPORTED_LOGIT_TRANSFORMS.items() if settings.get(k, default) != default
+    }
+    if found:
+        raise CheckpointError(
+            f"{source} scales the drafter's logits ({found}), which adaflash_hf does not implement; serve this "
+            "drafter with SGLang, or remove the settings if the drafter was trained without them."
+        )
 
 
 def _rope_parameters(raw: dict) -> dict | None:
@@ -427,7 +503,8 @@ def _rope_parameters(raw: dict) -> dict | None:
 def config_to_dflash_dict(config: AdaFlashConfig) -> dict:
     """The official DFlash `config.json` dict for `config` (inverse of `config_from_dict`)."""
     native = config.to_dict()
-    out = {"architectures": [DFLASH_ARCHITECTURE], "model_type": "qwen3"}
+    dflash2 = config.drafter_type == "dflash2"
+    out = {"architectures": [DFLASH2_ARCHITECTURE if dflash2 else DFLASH_ARCHITECTURE], "model_type": "qwen3"}
     out.update({key: native[key] for key in _GEOMETRY_KEYS if key in native})
     rope = dict(native.get("rope_parameters") or {})
     out["rope_theta"] = rope.pop("rope_theta", config.default_theta)
@@ -439,6 +516,9 @@ def config_to_dflash_dict(config: AdaFlashConfig) -> dict:
     out["num_target_layers"] = config.num_target_layers
     out["dtype"] = native.get("dtype")
     dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
+    if dflash2:  # z-lab's DFlash 2 schema: the block size and the DFlash 2 geometry in dflash_config
+        dflash.update({"block_size": config.block_size, **{key: getattr(config, key) for key in DFLASH2_KEYS}})
+        out["is_causal"] = False
     if config.use_length_head:
         dflash.update({key: getattr(config, field) for key, field in _HEAD_KEYS.items()})
     out["dflash_config"] = dflash
@@ -453,6 +533,7 @@ __all__ = [
     "CheckpointError",
     "LENGTH_POLICIES",
     "build_target_layer_ids",
+    "dflash2_problems",
     "config_to_dflash_dict",
     "draft_vocab_problems",
     "length_policy_problems",

@@ -1,4 +1,4 @@
-"""`AdaFlashDrafter` (the DFlash block-diffusion drafter) and `AdaptiveLengthHead` (AdaFlash's length head).
+"""`AdaFlashDrafter` (the DFlash or DFlash 2 block-diffusion drafter) and `AdaptiveLengthHead` (the length head).
 
 The decoder layers, RMSNorm and rotary embedding are transformers' own DFlash modules (those of
 `MuseGlimmerAssistantModel`): they implement exactly the DFlash attention of docs/algorithm.md §1.3 (queries from the
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 from transformers.cache_utils import DFlashCache
 from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -26,7 +27,8 @@ from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant 
     MuseGlimmerAssistantRotaryEmbedding as DFlashRotaryEmbedding,
 )
 
-from .configuration import AdaFlashConfig, AdaptiveLengthHeadConfig
+from .configuration import DFLASH2_KEYS, AdaFlashConfig, AdaptiveLengthHeadConfig
+from .dflash2 import CandidateSelector, DFlash2DecoderLayer, GroupedDynamicConv
 from .formats import load_drafter, load_length_head, save_drafter
 from .hub import push_drafter_to_hub, push_length_head_to_hub
 
@@ -84,11 +86,30 @@ class AdaFlashPreTrainedModel(PreTrainedModel):
     config: AdaFlashConfig
     base_model_prefix = ""
     supports_gradient_checkpointing = True
-    _no_split_modules = ["MuseGlimmerAssistantDecoderLayer"]
+    _no_split_modules = ["MuseGlimmerAssistantDecoderLayer", "DFlash2DecoderLayer"]
+    # speculators checkpoints may carry the verifier's tensors and their vocabulary maps (`formats.SPECULATORS_EXTRAS`)
+    _keys_to_ignore_on_load_unexpected = [
+        r"^(embed_tokens|lm_head|verifier_lm_head|verifier_norm)\.weight$",
+        r"^(t2d|d2t)$",
+    ]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
     main_input_name = "noise_embeds"
+
+    def _init_weights(self, module):
+        """DFlash 2's modules start as the engines start them: identity convolutions (the drafter then computes what
+        its DFlash form does) and normal(0, initializer_range) selector tables."""
+        super()._init_weights(module)
+        if isinstance(module, GroupedDynamicConv):
+            base = torch.zeros_like(module.base_kernel)
+            base[:, 0] = 1.0
+            init.copy_(module.base_kernel, base)
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            std = self.config.initializer_range
+            for weight in (module.predecessor_codebook, module.successor_codebook, module.hidden_projection.weight):
+                init.normal_(weight, mean=0.0, std=std)
 
 
 class AdaFlashDrafter(AdaFlashPreTrainedModel):
@@ -119,11 +140,17 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     def __init__(self, config: AdaFlashConfig):
         super().__init__(config)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        layer_class = DFlash2DecoderLayer if config.drafter_type == "dflash2" else DFlashDecoderLayer
+        self.layers = nn.ModuleList([layer_class(config, i) for i in range(config.num_hidden_layers)])
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config=config)
+        self.candidate_selector = (
+            CandidateSelector(config.vocab_size, config.hidden_size, config.selector_rank, config.selector_top_k)
+            if config.drafter_type == "dflash2"
+            else None
+        )
         self.thresh_head_two_model = AdaptiveLengthHead(self._length_head_config()) if config.use_length_head else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -263,6 +290,30 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
                 "Use a head trained on this drafter (examples/scripts/init_length_head.py)."
             )
 
+    # ------------------------------------------------------------------ DFlash 2
+
+    def to_dflash2(self, **fields) -> "AdaFlashDrafter":
+        """A DFlash 2 drafter grown from this DFlash one, to train further (`OPDTrainer`): the same weights, identity
+        convolutions (so it drafts exactly as this drafter until trained) and a fresh candidate selector.
+
+        ``fields``: DFlash 2 settings other than the engines' defaults (``conv_kernel_size``, ``conv_group_size``,
+        ``selector_rank``, ``selector_top_k``).
+        """
+        if self.config.drafter_type == "dflash2":
+            raise ValueError("This drafter is already a DFlash 2 drafter.")
+        unknown = sorted(set(fields) - set(DFLASH2_KEYS))
+        if unknown:
+            raise ValueError(f"to_dflash2 takes only {DFLASH2_KEYS}; got {unknown}")
+        config = AdaFlashConfig.from_dict({**self.config.to_dict(), **fields, "drafter_type": "dflash2"})
+        config.validate_architecture()
+        reference = self.fc.weight
+        grown = type(self)(config).to(device=reference.device, dtype=reference.dtype)
+        missing, unexpected = grown.load_state_dict(self.state_dict(), strict=False)
+        new = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+        if unexpected or any(not any(part in name for part in new) for name in missing):
+            raise RuntimeError(f"to_dflash2: tensors do not carry over (missing {missing}, unexpected {unexpected})")
+        return grown
+
     # ------------------------------------------------------------------ target pairing
 
     def check_compatible(self, target: PreTrainedModel) -> None:
@@ -307,7 +358,8 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """Loads an official z-lab DFlash or AdaFlash checkpoint, or one of ours, from the Hub or a local dir.
+        """Loads an official z-lab DFlash, DFlash 2 or AdaFlash checkpoint, a `speculators` DFlash or DFlash 2 one,
+        or one of ours, from the Hub or a local dir.
 
         Never executes code from the repository and never unpickles (safetensors only). Accepts the usual
         `from_pretrained` keywords (`dtype`, `device_map`, `revision`, `token`, `cache_dir`, `local_files_only`)
@@ -317,8 +369,10 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, save_format: str = "dflash", **kwargs):
         """Saves atomically in the official DFlash schema (`save_format="dflash"`, read by SGLang, vLLM and
-        z-lab code) or in the native schema (`save_format="adaflash"`, read by `AutoModel` after `import adaflash_hf`).
-        Both use the official tensor names."""
+        z-lab code; z-lab's DFlash 2 schema for a DFlash 2 drafter), in the native schema (`save_format="adaflash"`,
+        read by `AutoModel` after `import adaflash_hf`) or in the `speculators` library's (`save_format=
+        "speculators"`, which vLLM serves; its length head goes to `length_head/` beside it, and a reduced draft
+        vocabulary needs `target_lm_head=target.get_output_embeddings()`). All use the official tensor names."""
         return save_drafter(self, save_directory, *args, save_format=save_format, **kwargs)
 
     def _save_pretrained_native(self, save_directory, *args, **kwargs):

@@ -10,7 +10,17 @@ State, per batch row, kept exact across steps (docs/algorithm.md §3.3, §8.2):
   masked, which keeps batch 1 on the mask-free fast path).
 
 The drafter always drafts the whole block, because its cache must stay consistent; the length policy then decides how
-many drafts the target verifies. `draft()` is the batched core used by `adaflash_hf`'s decoding loop;
+many drafts the target verifies.
+
+A DFlash 2 drafter (``drafter_type="dflash2"``, `adaflash_hf/dflash2.py`) drafts with the same one forward; its
+candidate selector then walks the block slot by slot (`walk_selector`): slot ``i``'s ``K`` candidates are the top
+``K`` of its processed unary logits, scored ``unary + transition(token chosen at slot i - 1, candidate) / T``. The
+walk is the linear draft, and `Drafts.logits` holds those scores (``-inf`` outside the candidates), so a draft tree
+branches over each slot's ``K`` candidates, ranked after the linear path's token at the slot before. Under sampling
+the proposal distribution of slot ``i`` is ``q_i = softmax(scores_i)`` over its candidates, given the drafted tokens
+before it, and the walk's token is a sample from it; speculative sampling only compares a draft with the target
+while every draft before it was accepted, i.e. with exactly the prefix ``q_i`` was conditioned on, so the
+acceptance rule stays lossless with this ``q``. `draft()` is the batched core used by `adaflash_hf`'s decoding loop;
 `get_candidates()` is the transformers `CandidateGenerator` contract (batch 1) built on it, so transformers' own
 assisted-decoding loop can drive the same drafter.
 """
@@ -24,10 +34,11 @@ from transformers.cache_utils import DFlashCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
+from ..dflash2 import walk_selector
 from .acceptance import leading_true
 from .draft_head import DraftHead
 from .length_policy import LengthPolicy
-from .processing import process_positions, token_chooser
+from .processing import ids_independent, process_positions, token_chooser
 
 
 @dataclass
@@ -36,7 +47,8 @@ class Drafts:
 
     tokens ``[B, D]``: drafts (samples from `probs` when sampling, else argmax), ``D <= block_size - 1``: the
     positions some row may verify (all of them for the `confidence` policy).
-    logits ``[B, D, V]``: processed drafter logits (float32).
+    logits ``[B, D, V]``: processed drafter logits (float32); for a DFlash 2 drafter, the selector's scores of each
+    slot's candidates after the drafted token before it (``-inf`` elsewhere).
     probs ``[B, D, V]``: softmax of `logits` when sampling, else ``None``.
     num_drafts ``[B]``: drafts to verify (candidate length - 1, capped by the token budget), at most ``D``.
     length_prediction ``[B]``: the length head's prediction for the block (``(accepted + 1) / block_size``), when the
@@ -108,6 +120,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.choose = token_chooser(self.do_sample)
         self.choose_draft = token_chooser(self.do_sample, drafts=True)
+        self.selector = getattr(drafter, "candidate_selector", None)  # DFlash 2's (PEFT forwards the attribute)
+        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else None
         self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
         self.max_length = generation_config.max_length
         self.adapter_names = adapter_names_for(drafter, generation_config)
@@ -240,9 +254,12 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             )
             hidden = hidden[:, : max(int(torch.minimum(verifiable - 1, max_drafts).max()), 1)]
         logits = self.draft_head(hidden).to(anchors.device)
-        logits, tokens = process_positions(
-            self.logits_processor, sequences, lengths, logits, choose=self.choose_draft, rows=rows
-        )
+        if self.selector is None:
+            logits, tokens = process_positions(
+                self.logits_processor, sequences, lengths, logits, choose=self.choose_draft, rows=rows
+            )
+        else:
+            tokens, logits = self._walk(hidden, logits, anchors, sequences, lengths, rows)
         # where the processors leave no token of the (draft) vocabulary allowed, there is nothing to propose: the
         # row's drafts end before that position
         drafting = leading_true(logits.amax(-1) > float("-inf"))
@@ -258,6 +275,27 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         )
         num_drafts = torch.minimum(torch.minimum(candidate_lengths - 1, max_drafts), drafting)
         return Drafts(tokens, logits, probs if self.do_sample else None, num_drafts, length_prediction)
+
+    def _walk(self, hidden, logits, anchors, sequences, lengths, rows):
+        """The DFlash 2 selector's path and scores (module docstring), its unary logits processed as the target's
+        are: all slots at once, or slot by slot after the tokens the walk chose before it when a processor reads
+        the ids."""
+        processors = self.logits_processor
+        process = None
+        if all(ids_independent(p) for p in processors):
+            logits, _ = process_positions(processors, sequences, lengths, logits, rows=rows)
+        else:
+            rows = torch.arange(len(lengths), device=sequences.device) if rows is None else rows
+            grown = torch.cat([sequences, sequences.new_zeros(sequences.shape[0], logits.shape[1])], dim=1)
+
+            def process(i, chosen):
+                if i:
+                    grown[rows, lengths + i - 1] = chosen[:, i - 1].to(grown.device)
+                logits[:, i : i + 1] = process_positions(
+                    processors, grown, lengths + i, logits[:, i : i + 1], rows=rows
+                )[0]
+
+        return walk_selector(self.selector, hidden, logits, anchors, self.temperature, process)
 
     def _adapter_kwargs(self, batch: int) -> dict:
         if self.adapter_names is None:

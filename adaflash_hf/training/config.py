@@ -44,6 +44,11 @@ class OPDConfig(DistillationConfig):
             Maximum number of blocks (anchors) drawn per sequence.
         loss_decay_gamma (`float` or `None`, *optional*, defaults to `7.0`):
             Block slot `k` weighs `exp(-(k - 1) / gamma)`; `None` or a value `<= 0` disables the decay.
+        selector_loss_alpha (`float`, *optional*, defaults to `1.0`):
+            DFlash 2 drafters only: weight of the candidate selector's loss added to the drafting loss (speculators'
+            `selector_loss_alpha`): the K-way cross-entropy of `unary + transition` over the student's unary top-K,
+            the teacher's token injected at rank K where it is missing, the data token before each slot as the
+            predecessor, under the same slot weights.
         block_size (`int` or `None`, *optional*):
             Block size to train; `None` uses the drafter's, and a set value must equal it.
         loss_chunk_size (`int`, *optional*, defaults to `1024`):
@@ -174,6 +179,10 @@ class OPDConfig(DistillationConfig):
         default=7.0,
         metadata={"help": "Block slot k weighs exp(-(k - 1) / gamma); `None` or <= 0 disables the decay."},
     )
+    selector_loss_alpha: float = field(
+        default=1.0,
+        metadata={"help": "DFlash 2 drafters: weight of the candidate selector's K-way loss (speculators')."},
+    )
     block_size: int | None = field(
         default=None,
         metadata={"help": "Block size to train; `None` uses the drafter's. Must equal the drafter's if set."},
@@ -260,6 +269,8 @@ class OPDConfig(DistillationConfig):
             problems.append(f"clip_mode={self.clip_mode!r} must be one of {CLIP_MODES}")
         if self.length_head_loss not in LENGTH_LOSSES:
             problems.append(f"length_head_loss={self.length_head_loss!r} must be one of {LENGTH_LOSSES}")
+        if self.selector_loss_alpha < 0:
+            problems.append(f"selector_loss_alpha={self.selector_loss_alpha} must be >= 0")
         if not 0.0 <= self.alpha <= 1.0:
             problems.append(f"alpha={self.alpha} must lie in [0, 1]")
         if self.kl_temperature <= 0:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..dflash2 import training_candidates
 from ..generation.acceptance import leading_true
 
 LOSS_TYPES = ("opd", "ce", "fkl")
@@ -38,6 +39,13 @@ class RowStatistics:
     student_argmax: torch.Tensor
     teacher_argmax: torch.Tensor
     student_max_prob: torch.Tensor
+    # DFlash 2's selector (`selector_top_k`; ``[M, 0]`` / empty otherwise): the student's unary top-K with the teacher
+    # argmax injected at rank K where missing (`dflash2.training_candidates`), their unary logits (differentiable),
+    # the teacher token's rank among them, and whether the unary top-K already held it (the candidate recall).
+    selector_candidates: torch.Tensor | None = None
+    selector_unary: torch.Tensor | None = None
+    selector_labels: torch.Tensor | None = None
+    selector_recall: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,7 +69,16 @@ def teacher_top(teacher_hidden, weight, bias=None, chunk_size: int = 1024) -> Te
 
 
 def _chunk_statistics(
-    student_hidden, teacher_hidden, data_labels, weight, bias, temperature, divergences, vocab=None, top=None
+    student_hidden,
+    teacher_hidden,
+    data_labels,
+    weight,
+    bias,
+    temperature,
+    divergences,
+    vocab=None,
+    top=None,
+    selector_top_k=0,
 ):
     """Row statistics of one chunk. With a draft vocabulary, ``weight``/``bias`` are its rows only, ``data_labels``
     and ``top.argmax`` are already mapped to its indices (-1: outside it), and ``top.logsumexp`` normalises the
@@ -93,7 +110,17 @@ def _chunk_statistics(
     if vocab is not None:  # back to target token ids
         student_argmax = vocab[student_argmax]
         teacher_argmax = top.full_argmax
-    return (ce_teacher, ce_data, forward_kl, reverse_kl, student_argmax, teacher_argmax, top_logp.exp())
+    rows = student_logits.shape[0]
+    candidates = student_logits.new_zeros((rows, selector_top_k), dtype=torch.long)
+    labels = candidates.new_zeros(rows)
+    recall = torch.zeros(rows, dtype=torch.bool, device=student_logits.device)
+    if selector_top_k:  # DFlash 2 drafts over the whole vocabulary (no `vocab`): logit indices are token ids
+        with torch.no_grad():
+            top_ids = student_logits.topk(selector_top_k, dim=-1).indices
+        candidates, labels, recall = training_candidates(top_ids, teacher_argmax)
+    unary = student_logits.gather(-1, candidates)
+    stats = (ce_teacher, ce_data, forward_kl, reverse_kl, student_argmax, teacher_argmax, top_logp.exp())
+    return (*stats, candidates, unary, labels, recall)
 
 
 def _nll(logp: torch.Tensor, labels: torch.LongTensor) -> torch.Tensor:
@@ -122,6 +149,7 @@ def row_statistics(
     checkpointing: bool = True,
     draft_vocab: torch.LongTensor | None = None,
     teacher: TeacherTop | None = None,
+    selector_top_k: int = 0,
 ) -> RowStatistics:
     """Projects ``M`` rows through the (frozen) output head chunk by chunk and returns `RowStatistics`.
 
@@ -144,7 +172,11 @@ def row_statistics(
             a cross-entropy whose label lies outside the draft vocabulary is 0 (no draft can match it).
         teacher (`TeacherTop`, *optional*): the teacher's whole-vocabulary argmax and log-sum-exp per row, when the
             caller has them (stored features); only read with ``draft_vocab`` at temperature 1.
+        selector_top_k (`int`): a DFlash 2 drafter's ``K``: also return its selector's training candidates
+            (`RowStatistics.selector_*`, for `selector_loss`); 0: none. Needs the whole vocabulary.
     """
+    if selector_top_k and draft_vocab is not None:
+        raise ValueError("the DFlash 2 selector's candidates are token ids of the whole vocabulary: no draft_vocab")
     weight = lm_head_weight.detach()
     bias = lm_head_bias.detach() if lm_head_bias is not None else None
     top = None
@@ -181,6 +213,7 @@ def row_statistics(
             tuple(divergences),
             draft_vocab,
             chunk_top,
+            selector_top_k,
         )
         if checkpointing and torch.is_grad_enabled() and student_hidden.requires_grad:
             # Recompute the [chunk, V] logits in backward instead of keeping them for every chunk.
@@ -256,6 +289,40 @@ def drafting_loss(
         loss = weighted_mean(stats.forward_kl, weights)
         return loss, {"forward_kl": loss.detach()}
     raise ValueError(f"loss_type={loss_type!r} must be one of {LOSS_TYPES}")
+
+
+def selector_loss(
+    selector, student_hidden: torch.Tensor, predecessors: torch.LongTensor, stats: RowStatistics, weights: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A DFlash 2 drafter's candidate-selector loss (speculators' ``compute_selector_loss``) and its metrics.
+
+    The K-way cross-entropy of ``unary + transition(predecessor, candidate)`` over `row_statistics`' training
+    candidates (the student's unary top-K, the teacher's token injected at rank K where missing), teacher-forced: each
+    row's predecessor is the data token before its slot. Both the unary logits and the selector get its gradient.
+    Weighted by the slots' loss weights as the drafting loss is.
+
+    Args:
+        selector (`CandidateSelector`): the drafter's. student_hidden (`[M, H]`): its final-normed slot states.
+        predecessors (`[M]`): the token before each slot. stats: `row_statistics(..., selector_top_k=K)`'s.
+        weights (`[M]`): the slots' loss weights.
+    Returns:
+        ``(loss, parts)``; parts (detached): ``selector_ce``, ``recall`` (share of rows whose unary top-K held the
+        teacher's token: the most the selector can draft right) and ``accuracy`` (the selector's teacher-forced pick is
+        the teacher's token, over the rows whose top-K held it, as speculators counts it).
+    """
+    transition = selector.transition_scores(student_hidden, predecessors, stats.selector_candidates)
+    logits = stats.selector_unary.float() + transition
+    ce = F.cross_entropy(logits, stats.selector_labels, reduction="none") if logits.numel() else logits.sum(-1)
+    loss = weighted_mean(ce, weights)
+    with torch.no_grad():
+        recall = stats.selector_recall
+        right = (logits.argmax(-1) == stats.selector_labels) & recall if logits.numel() else recall
+        parts = {
+            "selector_ce": loss.detach(),
+            "recall": recall.float().mean() if recall.numel() else loss.new_zeros(()),
+            "accuracy": right.sum() / recall.sum().clamp(min=1),
+        }
+    return loss, parts
 
 
 def accepted_drafts(matches: torch.BoolTensor) -> torch.LongTensor:

@@ -38,6 +38,7 @@ from .losses import (
     length_head_labels,
     length_head_loss,
     row_statistics,
+    selector_loss,
 )
 from .rollouts import (
     RolloutStore,
@@ -409,6 +410,7 @@ class OPDTrainer(DistillationTrainer):
             teacher = slot_teacher(features, layout)
             if teacher is not None:
                 teacher = TeacherTop(teacher.argmax[supervised], teacher.logsumexp[supervised])
+        selector = drafter.candidate_selector
         stats = row_statistics(
             output.last_hidden_state[supervised],
             teacher_hidden[supervised],
@@ -421,10 +423,19 @@ class OPDTrainer(DistillationTrainer):
             checkpointing=args.loss_checkpointing,
             draft_vocab=draft_vocab,
             teacher=teacher,
+            selector_top_k=0 if selector is None else selector.top_k,
         )
         loss, parts = drafting_loss(
             stats, weights[supervised], args.loss_type, args.alpha, args.clip_tau, args.clip_mode
         )
+        if selector is not None:  # DFlash 2: the selector learns to rerank the student's top-K (speculators' loss)
+            blocks = data_labels.view(*layout.anchors.shape, config.block_size)
+            predecessors = torch.cat([blocks[..., :1], blocks[..., :-1]], dim=-1).flatten(1)  # the token before
+            selector_part, selector_parts = selector_loss(
+                selector, output.last_hidden_state[supervised], predecessors[supervised], stats, weights[supervised]
+            )
+            loss = loss + args.selector_loss_alpha * selector_part
+            parts["selector"] = selector_parts.pop("selector_ce")
 
         # Leading run of drafter-argmax == data token per block: on greedy target data, greedy acceptance there.
         matches = torch.zeros_like(supervised)
@@ -441,6 +452,9 @@ class OPDTrainer(DistillationTrainer):
             "step_acceptance_length": keep.sum() / (keep / (accepted + 1)).sum(),
             "num_blocks": keep.sum(1).mean(),
         }
+        if selector is not None:
+            metrics[f"selector/recall_at_{selector.top_k}"] = selector_parts["recall"]
+            metrics["selector/accuracy"] = selector_parts["accuracy"]
         if output.length_prediction is not None:
             confidence = torch.zeros_like(weights)
             confidence[supervised] = stats.student_max_prob
