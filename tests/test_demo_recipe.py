@@ -358,7 +358,7 @@ def test_chat_answers_resume_after_an_interruption_and_from_kept_shards(chat_bui
     from adaflash_hf.training import rollouts
 
     reference = chat_build("reference", kept_answers_dir="")
-    recipe.run(dataclasses.replace(reference, stages=["prompts", "answers"]))
+    recipe.run(dataclasses.replace(reference, stages=["prompts", "answers", "keep"]))  # keeps nothing: no folder
     expected = _answer_files(recipe.Layout(reference))
     assert len(expected) == 8  # 7 training shards and the validation answers
 
