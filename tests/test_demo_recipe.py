@@ -366,7 +366,7 @@ def test_chat_answers_resume_after_an_interruption_and_from_kept_shards(chat_bui
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # one call per shard: stop inside the second shard
+        if len(calls) == 3:  # one call per batch, two batches a shard: stop inside the second shard
             raise KeyboardInterrupt
         return generate(*args, **kwargs)
 
@@ -454,3 +454,40 @@ def test_chat_recipe_yaml_sets_only_known_fields_and_keeps_answers_outside_the_w
     assert config.chat_train_prompts > 0 and config.max_answer_tokens == 512
     kept = Path(config.kept_answers_dir)
     assert kept.parts[:2] == ("demo", "recipes")  # neither adaflash_hf/ nor demo/adaflash_demo/ ships it
+
+
+def test_loops_end_where_the_stopping_criterion_stops_them():
+    from adaflash_demo.decode_attention import StopAtLoops, loop_end
+
+    rng = random.Random(0)
+    text = [rng.randrange(100, 200) for _ in range(70)]
+    line = [rng.randrange(100, 200) for _ in range(9)]
+    looping = text + line * 12
+    end = loop_end(looping)
+    # the loop starts after the text; it ends once 48 tokens (over 5 copies of the 9-token line) repeat
+    assert end == 70 + 9 + 48 and looping[end - 57 : end - 48] == line
+    assert loop_end(text) is None and loop_end([5] * 48) is None and loop_end([5] * 49) == 49
+    # a long period needs three copies, not 48 tokens
+    block = [rng.randrange(100, 200) for _ in range(40)]
+    assert loop_end(text + block * 3) == 70 + 40 * 3
+    assert loop_end(text + block * 2 + block[:39]) is None
+    # the criterion stops each row at the step where loop_end ends it, and never a row without a loop
+    criterion = StopAtLoops(prompt_width=3)
+    rows = torch.tensor([[1, 2, 3] + looping, [1, 2, 3] + text + [rng.randrange(100, 200) for _ in range(108)]])
+    stops = [n for n in range(1, rows.shape[1] - 2) if criterion(rows[:, : 3 + n])[0]]
+    assert stops[0] == end
+    assert not any(criterion(rows[:, : 3 + n])[1] for n in range(1, rows.shape[1] - 2))
+
+
+def test_answers_stopped_at_loops_are_the_full_answers_cut_where_the_loop_is_found():
+    from transformers import GenerationConfig
+
+    from adaflash_demo.decode_attention import loop_end
+
+    target = _tiny_target()
+    prompts = [[2 + (7 * i + j) % 60 for j in range(3 + 2 * i)] for i in range(4)]
+    config = GenerationConfig(max_new_tokens=150, do_sample=False, pad_token_id=0, eos_token_id=1)
+    full = recipe._answer_batch(target, prompts, config, pad_token_id=0, stop_at_loops=False)
+    stopped = recipe._answer_batch(target, prompts, config, pad_token_id=0, stop_at_loops=True)
+    assert stopped == [answer[: loop_end(answer) or len(answer)] for answer in full]
+    assert any(len(s) < len(f) for s, f in zip(stopped, full))  # the tiny random target does loop

@@ -41,3 +41,45 @@ def use_grouped_query_attention(model):
     AttentionMaskInterface.register(NAME, eager_mask)
     model.set_attn_implementation(NAME)
     return model
+
+
+# ------------------------------------------------------------------------------------------------ repetition loops
+
+LOOP_MIN_TOKENS = 48
+LOOP_MAX_PERIOD = 64
+
+
+def loop_end(tokens: list[int], min_tokens: int = LOOP_MIN_TOKENS, max_period: int = LOOP_MAX_PERIOD) -> int | None:
+    """The length of the shortest prefix of ``tokens`` that ends in a repetition loop, or ``None``: a prefix ends in
+    one when its last ``max(2 * period, min_tokens)`` tokens each equal the token ``period`` before (a phrase, line
+    or block of up to ``max_period`` tokens repeated until at least three copies or ``min_tokens`` tokens of
+    repetition). The small greedy target falls into such loops and stays in them until the token limit; a prefix
+    ending this way keeps the start of each loop (what serving sees) without hundreds of copies."""
+    best = None
+    for period in range(1, max_period + 1):
+        need, run = max(2 * period, min_tokens), 0
+        for i in range(period, len(tokens) if best is None else min(len(tokens), best)):
+            run = run + 1 if tokens[i] == tokens[i - period] else 0
+            if run >= need:
+                best = i + 1
+                break
+    return best
+
+
+class StopAtLoops:
+    """A stopping criterion (transformers' interface) that ends a row once its generated tokens end in a loop as
+    :func:`loop_end` defines it, so that a batch is not held to the token limit by rows that repeat themselves."""
+
+    def __init__(self, prompt_width: int, min_tokens: int = LOOP_MIN_TOKENS, max_period: int = LOOP_MAX_PERIOD):
+        self.prompt_width, self.min_tokens, self.max_period = prompt_width, min_tokens, max_period
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        generated = input_ids[:, self.prompt_width :]
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        length = generated.shape[1]
+        for period in range(1, self.max_period + 1):
+            need = max(2 * period, self.min_tokens)
+            if length < need + period:
+                break
+            done |= (generated[:, length - need :] == generated[:, length - need - period : length - period]).all(1)
+        return done

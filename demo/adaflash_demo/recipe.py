@@ -93,6 +93,14 @@ class RecipeConfig:
         },
     )
     shard_size: int = field(default=128, metadata={"help": "Prompts per answer shard (the unit of resumption)."})
+    stop_at_loops: bool = field(
+        default=False,
+        metadata={
+            "help": "End an answer once it repeats a phrase, line or block of up to 64 tokens for 48 tokens or three "
+            "copies (adaflash_demo.decode_attention.loop_end): the greedy 135M target loops in most long chat "
+            "answers, and without this a batch runs to max_answer_tokens for its loops."
+        },
+    )
     kept_answers_dir: str = field(
         default="",
         metadata={
@@ -250,8 +258,6 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
     """Greedy answers of the target to every training prompt, one JSONL shard per ``shard_size`` prompts."""
     from transformers import GenerationConfig
 
-    from adaflash_hf.training.rollouts import generate_completions
-
     rows = training_prompts(layout)
     shards = {
         f"shard-{i // config.shard_size:04d}": rows[i : i + config.shard_size]
@@ -292,9 +298,10 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
         prompt_ids = [instructions.chat_prompt_ids(tokenizer, row["prompt"]) for row in shard]
         # Similar lengths in one batch: less left padding to compute.
         order = sorted(range(len(shard)), key=lambda i: len(prompt_ids[i]))
-        answers = generate_completions(
-            target, [prompt_ids[i] for i in order], generation_config, tokenizer.pad_token_id, config.answer_batch_size
-        )
+        answers = []
+        for start in range(0, len(order), config.answer_batch_size):
+            batch = [prompt_ids[i] for i in order[start : start + config.answer_batch_size]]
+            answers += _answer_batch(target, batch, generation_config, tokenizer.pad_token_id, config.stop_at_loops)
         out = [None] * len(shard)
         for i, answer in zip(order, answers):
             out[i] = {**shard[i], "prompt_ids": prompt_ids[i], "completion_ids": answer}
@@ -308,12 +315,35 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
         )
 
 
+def _answer_batch(target, prompt_ids, generation_config, pad_token_id: int, stop_at_loops: bool) -> list[list[int]]:
+    """One batch of greedy answers; with ``stop_at_loops``, a row that falls into a repetition loop ends there
+    (`adaflash_demo.decode_attention.loop_end`), cut where the loop is found: its padding (which is also this
+    tokenizer's end of sequence) is dropped, so no answer learns to end after a loop."""
+    from transformers import StoppingCriteriaList
+
+    from adaflash_hf.training.rollouts import generate_completions
+
+    from .decode_attention import StopAtLoops, loop_end
+
+    criteria = StoppingCriteriaList([StopAtLoops(max(map(len, prompt_ids)))]) if stop_at_loops else None
+    answers = generate_completions(
+        target, prompt_ids, generation_config, pad_token_id, len(prompt_ids), stopping_criteria=criteria
+    )
+    if stop_at_loops:
+        answers = [answer[: loop_end(answer) or len(answer)] for answer in answers]
+    return answers
+
+
 KEPT_SETTINGS = "settings.json"
 
 
 def _answer_settings(config: RecipeConfig) -> dict:
     """What a kept shard's answers depend on besides its prompts (checked before a kept shard is reused)."""
-    return {"max_answer_tokens": config.max_answer_tokens, "answer_dtype": config.answer_dtype}
+    return {
+        "max_answer_tokens": config.max_answer_tokens,
+        "answer_dtype": config.answer_dtype,
+        "stop_at_loops": config.stop_at_loops,
+    }
 
 
 def restore_kept_answers(config: RecipeConfig, layout: Layout, shards: dict[str, list[dict]]) -> None:
