@@ -259,8 +259,9 @@ class _ChatTokenizer:
     """What the answers stage needs of a tokenizer: ids, padding, end of sequence and a chat template."""
 
     pad_token_id, eos_token_id = 0, 1
+    chat_template = "<user>{content}<assistant>"
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **template_variables):
         return "<user>" + messages[-1]["content"] + "<assistant>"
 
     def __call__(self, text, add_special_tokens=True):
