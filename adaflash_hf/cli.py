@@ -23,11 +23,9 @@ from trl import TrlParser
 
 from .chat import render_prompt
 from .modeling import AdaFlashDrafter
-from .utils import read_jsonl, write_json_atomic
+from .utils import CommandError, read_jsonl, write_json_atomic
 
-
-class CommandError(ValueError):
-    """Bad command-line input; the message names the problem and the fix, and the command exits with it."""
+__all__ = ["CommandError", "main"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:

@@ -113,3 +113,8 @@ def read_jsonl(path: str | os.PathLike, *, skip_invalid: bool = False) -> list[d
                 if not skip_invalid:
                     raise ValueError(f"{path}: line {number} is not valid JSON ({error})") from error
     return rows
+
+
+class CommandError(ValueError):
+    """Bad command-line input; the message names the problem and the fix, and the command exits with it (the
+    `adaflash` commands and the training command raise it; `adaflash_hf.cli` turns it into an exit)."""

@@ -12,7 +12,7 @@ from adaflash_hf import AdaFlashConfig, AdaFlashDrafter, CheckpointError
 
 DFLASH2 = dict(drafter_type="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=16, conv_kernel_size=2)
 
-# z-lab's DFlash 2 schema (z-lab/dflash tests/fixtures/dflash2-config.json), at the tiny geometry of ZLAB_CONFIG.
+# z-lab's DFlash 2 schema (its dflash repository's DFlash 2 config fixture), at ZLAB_CONFIG's tiny geometry.
 ZLAB_DFLASH2_CONFIG = {
     **{k: v for k, v in ZLAB_CONFIG.items() if k != "block_size"},
     "architectures": ["DFlash2DraftModel"],

@@ -34,6 +34,7 @@ from trl import DatasetMixtureConfig, ModelConfig, TrlParser, get_dataset, get_p
 
 from ..configuration import AdaFlashConfig
 from ..modeling import AdaFlashDrafter
+from ..utils import CommandError
 from .config import OPDConfig
 from .trainer import OPDTrainer
 
@@ -164,8 +165,6 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _train_command(namespace: argparse.Namespace) -> int:
-    from ..cli import CommandError
-
     try:
         parsed = check_args(*from_namespace(namespace, DATACLASS_TYPES))
     except ValueError as error:  # a missing field, or `new_drafter` that is not JSON
