@@ -1,13 +1,23 @@
 """The family matrix (`tests/family_matrix.py`) in CI: every run checks a rotating slice of the families (a sixth,
-chosen by the date, or by ``ADAFLASH_MATRIX_SLICE``; families whose tiny model is slow to build stay out of it);
-``pytest -m slow tests/test_family_matrix.py`` checks them all.
+chosen by the date, or by ``ADAFLASH_MATRIX_SLICE``; families whose tiny model is slow to build stay out of it), with
+linear and with tree verification; ``pytest -m slow tests/test_family_matrix.py`` checks them all.
 Each family must give what `family_matrix.json` records, and the README's supported-families list is that record."""
 
 import datetime
 import os
 
 import pytest
-from family_matrix import BEGIN, END, README, check_family, families, readme_section, recorded, recorded_seconds
+from family_matrix import (
+    BEGIN,
+    END,
+    README,
+    TREE_BUDGET,
+    check_family,
+    families,
+    readme_section,
+    recorded,
+    recorded_seconds,
+)
 
 SLICES = 6
 SLICE = int(os.environ.get("ADAFLASH_MATRIX_SLICE", datetime.date.today().toordinal() % SLICES))
@@ -34,9 +44,27 @@ def test_each_family_is_exact_or_refused_clearly(family):
     assert outcome == MATRIX[family], "the outcome changed: run `python tests/family_matrix.py --write`"
 
 
+TREES = recorded(trees=True)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(family, marks=() if in_this_run(index, family) else pytest.mark.slow)
+        for index, family in enumerate(sorted(TREES))
+    ],
+)
+def test_each_family_is_exact_or_refused_clearly_with_trees(family):
+    outcome = check_family(family, tree_budget=TREE_BUDGET)
+    assert outcome.startswith(("supported", "refused")), f"{family}: {outcome}"
+    assert outcome == TREES[family], "the outcome changed: run `python tests/family_matrix.py --write-trees`"
+
+
 def test_the_record_covers_every_family_and_the_readme_lists_it():
     assert sorted(recorded()) == families(), (
         "transformers' families changed: run `python tests/family_matrix.py --write`"
     )
+    exact = sorted(f for f, o in recorded().items() if o.startswith("supported"))
+    assert sorted(TREES) == exact, "run `python tests/family_matrix.py --write-trees`"
     text = README.read_text()
-    assert text[text.index(BEGIN) : text.index(END) + len(END)] == readme_section(recorded())
+    assert text[text.index(BEGIN) : text.index(END) + len(END)] == readme_section(recorded(), TREES)
