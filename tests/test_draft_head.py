@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 import adaflash_hf
 from adaflash_hf.generation import draft_head
 from adaflash_hf.generation.draft_head import DraftHead
+from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, RuntimeProfile
 
 PROMPTS = [[0, 5, 9, 33, 17, 4, 80], [0, 44, 8], [0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 101, 3, 9]]
 
@@ -56,9 +57,9 @@ def _fake_timing(monkeypatch, seconds: dict):
     """Replaces the clock of "auto"'s trials: each dtype takes ``seconds[dtype]`` per call."""
     calls = []
 
-    def timed(head, hidden, dtype, vocab):
+    def timed(head, hidden, dtype, vocab, profile):
         calls.append(dtype)
-        return draft_head._project(head, hidden, dtype, vocab), seconds[dtype]
+        return draft_head._project(head, hidden, dtype, vocab, profile), seconds[dtype]
 
     monkeypatch.setattr(draft_head, "_timed", timed)
     return calls
@@ -67,20 +68,21 @@ def _fake_timing(monkeypatch, seconds: dict):
 def test_auto_measures_in_use_alternating_once_per_head_and_refreshes_the_copy(monkeypatch):
     head = tiny_target().get_output_embeddings()
     calls = _fake_timing(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.1})
-    first, second = DraftHead(head), DraftHead(head)
+    profile = RuntimeProfile()
+    first, second = DraftHead(head, profile=profile), DraftHead(head, profile=profile)
     hidden = torch.ones(1, 3, head.weight.shape[1])
-    for _ in range(draft_head.TRIALS):
+    for _ in range(HEAD_DTYPE_TRIALS):
         assert first.dtype is None  # still measuring
         first(hidden)
-        second(hidden)  # a second head of the same weight shares the measurement
-    assert calls == [torch.float32, torch.bfloat16] * draft_head.TRIALS
+        second(hidden)  # a second head of the same weight and profile shares the measurement
+    assert calls == [torch.float32, torch.bfloat16] * HEAD_DTYPE_TRIALS
     assert first.dtype == second.dtype == torch.bfloat16
     first(hidden)
-    assert len(calls) == 2 * draft_head.TRIALS  # decided: no more trials
+    assert len(calls) == 2 * HEAD_DTYPE_TRIALS  # decided: no more trials
     before = first(torch.ones(1, 1, head.weight.shape[1]))
     with torch.no_grad():
         head.weight.mul_(2.0)  # an in-place change (training) must not leave a stale copy in use
-    after = draft_head._project(head, torch.ones(1, 1, head.weight.shape[1]), torch.bfloat16, None)
+    after = draft_head._project(head, torch.ones(1, 1, head.weight.shape[1]), torch.bfloat16, None, profile)
     torch.testing.assert_close(after, 2 * before, rtol=2e-2, atol=2e-2)
 
 
@@ -89,7 +91,7 @@ def test_auto_trials_shared_by_concurrent_generations_decide_once(monkeypatch):
     projector = DraftHead(head)
     hidden = torch.ones(1, 2, head.weight.shape[1])
     _fake_timing(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.1})
-    for _ in range(2 * draft_head.TRIALS - 1):  # one bfloat16 trial short of a decision
+    for _ in range(2 * HEAD_DTYPE_TRIALS - 1):  # one bfloat16 trial short of a decision
         projector(hidden)
     timed, barrier = draft_head._timed, threading.Barrier(2)
 
@@ -118,7 +120,7 @@ def test_auto_keeps_float32_where_bfloat16_is_not_clearly_faster(monkeypatch):
     head = tiny_target(seed=3).get_output_embeddings()
     _fake_timing(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.9})
     projector = DraftHead(head)
-    for _ in range(2 * draft_head.TRIALS):
+    for _ in range(2 * HEAD_DTYPE_TRIALS):
         projector(torch.ones(1, 5, head.weight.shape[1]))
     assert projector.dtype == torch.float32  # within 20%: not worth a copy
 

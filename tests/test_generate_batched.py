@@ -80,12 +80,12 @@ def test_every_row_equals_plain_greedy_alone(family, batch_size):
 
 
 def test_holes_are_compacted_and_stay_exact(monkeypatch):
-    from adaflash_hf.generation import decoding
+    from adaflash_hf.generation import cache
 
-    monkeypatch.setattr(decoding, "COMPACT_FRACTION", 0.05)
+    monkeypatch.setattr(cache, "COMPACT_FRACTION", 0.05)
     compactions = []
-    original = decoding.SpeculativeDecoding._compact
-    monkeypatch.setattr(decoding.SpeculativeDecoding, "_compact", lambda self: (compactions.append(1), original(self)))
+    original = cache.TargetCache.compact
+    monkeypatch.setattr(cache.TargetCache, "compact", lambda self: (compactions.append(1), original(self)))
     target = tiny_target()
     prompts = PROMPTS[:4]
     references = [alone(target, p, max_new_tokens=40, eos_token_id=None) for p in prompts]

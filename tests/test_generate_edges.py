@@ -10,6 +10,7 @@ from helpers import oracle_drafter, tiny_drafter, tiny_target
 from test_generate_batched import PAD, left_pad
 from test_generate_tree import _runner_up_oracle
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache
 
 import adaflash_hf
 
@@ -257,7 +258,7 @@ def test_a_cache_layer_the_loop_cannot_move_is_refused():
 
     target = tiny_target()
     ids, mask = _inputs(3)
-    cache = adaflash_hf.generation.decoding.DynamicCache(config=target.config)
+    cache = DynamicCache(config=target.config)
     cache.layers = [KeepsMore() for _ in cache.layers]
     with pytest.raises(NotImplementedError, match=r"\['KeepsMore'\] cache layers.*generate one row per call"):
         _ours(target, tiny_drafter(target), ids, mask, max_new_tokens=4, eos_token_id=None, cache=cache)

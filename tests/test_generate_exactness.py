@@ -200,12 +200,12 @@ def test_classifier_free_guidance_is_refused_clearly():
     ],
 )
 def test_batched_greedy_with_forced_compaction_on_window_moe_and_mla_targets(family, overrides, monkeypatch):
-    from adaflash_hf.generation import decoding
+    from adaflash_hf.generation import cache
 
-    monkeypatch.setattr(decoding, "COMPACT_FRACTION", 0.05)
+    monkeypatch.setattr(cache, "COMPACT_FRACTION", 0.05)
     compactions = []
-    original = decoding.SpeculativeDecoding._compact
-    monkeypatch.setattr(decoding.SpeculativeDecoding, "_compact", lambda self: (compactions.append(1), original(self)))
+    original = cache.TargetCache.compact
+    monkeypatch.setattr(cache.TargetCache, "compact", lambda self: (compactions.append(1), original(self)))
     target = tiny_target(family, **overrides)
     ids, mask, free = batch_and_references(target)
     assert ids.shape[1] + 30 == 41

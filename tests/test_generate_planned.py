@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 import adaflash_hf
 from adaflash_hf.generation import planner as planner_module
 from adaflash_hf.generation.planner import CostTable, VerificationPlanner
+from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, profile_for
 
 PLANNED = dict(adaflash_length_policy="planned")
 
@@ -241,20 +242,23 @@ def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monke
     config = GenerationConfig(
         max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD, adaflash_length_policy="planned"
     )
-    adaflash_hf.generation.draft_head._CHOICES.clear()
+    profile_for(target, drafter).reset()  # the pair measures its draft head's dtype afresh
     config.adaflash_verify_layout = "linear"  # no layout trials: every mark is a dtype trial (test_verify_layout.py)
     target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype: those drafts are marked
-    assert 0 < len(marked) <= 2 * adaflash_hf.generation.draft_head.TRIALS
+    assert 0 < len(marked) <= 2 * HEAD_DTYPE_TRIALS
 
 
 def test_the_cost_table_is_kept_per_pair_for_the_process():
     target = tiny_target()
     first, second = tiny_drafter(target), tiny_drafter(target)
-    table = planner_module.cost_table(target, first, torch.device("cpu"), torch.float32)
-    assert planner_module.cost_table(target, first, torch.device("cpu"), torch.float32) is table
-    assert planner_module.cost_table(target, second, torch.device("cpu"), torch.float32) is not table
-    assert planner_module.cost_table(target, first, torch.device("cpu"), torch.bfloat16) is not table
+    cpu = torch.device("cpu")
+    table = profile_for(target, first).cost_table(cpu, torch.float32)
+    assert profile_for(target, first).cost_table(cpu, torch.float32) is table
+    assert profile_for(target, second).cost_table(cpu, torch.float32) is not table
+    assert profile_for(target, first).cost_table(cpu, torch.bfloat16) is not table
+    profile_for(target, first).reset()
+    assert profile_for(target, first).cost_table(cpu, torch.float32) is not table
 
 
 # ------------------------------------------------------------------ with a length head

@@ -13,7 +13,7 @@ from test_generate_sampling import NEW, PROMPT, SAMPLING, exact_joint, p_value
 from transformers import GenerationConfig
 
 import adaflash_hf
-from adaflash_hf.generation import decoding
+from adaflash_hf.generation import tree as tree_module
 from adaflash_hf.generation.tree import DraftTree, build_trees, tree_attention_mask, walk_trees
 
 
@@ -264,7 +264,7 @@ def test_a_walk_that_takes_the_drafters_choice_fails_the_same_test(sampling_mode
         first_child = torch.cat([tree.tokens[:, :1], choices[:, 1:]], dim=1)  # the anchor "chooses" node 1
         return real(tree, torch.where(tree.valid[:, :1], first_child, choices))
 
-    monkeypatch.setattr(decoding, "walk_trees", biased)
+    monkeypatch.setattr(tree_module, "walk_trees", biased)
     torch.manual_seed(1357)
     samples, _ = _tree_samples(target, drafter, 1500, 50)
     joint = exact_joint(target)

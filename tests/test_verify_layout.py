@@ -12,6 +12,7 @@ import adaflash_hf
 from adaflash_hf.generation import verify_layout
 from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import VerificationPlanner
+from adaflash_hf.generation.profile import LAYOUT_TRIALS, RuntimeProfile
 from adaflash_hf.generation.verify_layout import TransposedLinear, VerifyLayout
 
 
@@ -84,27 +85,31 @@ def test_measured_choice_alternates_and_keeps_the_candidate_only_when_clearly_fa
         option = choice.next_trial("close")
         choice.record("close", option, {"a": 1.0, "b": 0.95}[option])
     assert choice.chosen("close") == "a"  # within the margin: the baseline stays
-    choice.forget(lambda key: key == "fast")
-    assert choice.chosen("fast") is None and choice.chosen("close") == "a"
+    choice.clear()
+    assert choice.chosen("fast") is None and choice.chosen("close") is None and choice.timings == {}
 
 
 def test_layout_is_measured_per_token_count_and_kept(monkeypatch):
     target = tiny_target()
-    monkeypatch.setattr(verify_layout, "_LAYOUTS", MeasuredChoice("linear", "transposed", trials=2, margin=0.9))
     clock = iter(range(1000))
     monkeypatch.setattr(verify_layout.time, "perf_counter", lambda: next(clock))  # every forward "takes" 1 s
-    layout = VerifyLayout(target)
+    profile = RuntimeProfile()
+    layout = VerifyLayout(target, "auto", profile)
     assert layout.layout(1) == ("linear", False) and layout.layout(8) == ("linear", False)  # outside SMALL_TOKENS
     trials = []
-    for _ in range(2 * verify_layout.TRIALS):
+    for _ in range(2 * LAYOUT_TRIALS):
         with layout.forward(3) as trial:
             trials.append(trial)
-    assert trials == [True] * (2 * verify_layout.TRIALS)
+    assert trials == [True] * (2 * LAYOUT_TRIALS)
     assert layout.layout(3) == ("linear", False)  # equal times: linear kept, no more trials
     assert layout.layout(4)[1] is True  # another token count is measured on its own
-    assert VerifyLayout(target, "linear").layout(3) == ("linear", False)
-    assert VerifyLayout(target, "transposed").layout(3) == ("transposed", False)
-    assert VerifyLayout(target.to(torch.bfloat16), "transposed").layout(3) == ("linear", False)  # CPU float32 only
+    assert profile.layouts.chosen(3) == "linear" and profile.to_dict()["layouts"] == {"3": "linear"}
+    profile.reset()
+    assert layout.layout(3)[1] is True  # reset: measured again
+    assert VerifyLayout(target, "linear", profile).layout(3) == ("linear", False)
+    assert VerifyLayout(target, "transposed", profile).layout(3) == ("transposed", False)
+    bfloat16 = VerifyLayout(target.to(torch.bfloat16), "transposed", profile)
+    assert bfloat16.layout(3) == ("linear", False)  # CPU float32 only
 
 
 @pytest.mark.parametrize("name", ["auto", "linear", "transposed"])
@@ -139,7 +144,6 @@ def test_greedy_output_is_identical_in_every_layout(monkeypatch, name, batch):
 
 def test_layout_trials_stay_out_of_the_planners_cost_table(monkeypatch):
     target = tiny_target()
-    monkeypatch.setattr(verify_layout, "_LAYOUTS", MeasuredChoice("linear", "transposed", trials=2, margin=0.9))
     marked = []
     monkeypatch.setattr(VerificationPlanner, "untimed", lambda self: marked.append(True))
     config = GenerationConfig(
@@ -158,7 +162,7 @@ def test_layout_trials_stay_out_of_the_planners_cost_table(monkeypatch):
         target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     probed = {step.verify_width for step in stats.steps} - {1, 3}  # widths the fixed call did not measure
     # the planner's probes verify 2 tokens: their first forwards are layout trials, kept out of its cost table
-    assert probed == {2} and 0 < len(marked) <= 2 * verify_layout._LAYOUTS.trials_per_option
+    assert probed == {2} and 0 < len(marked) <= 2 * LAYOUT_TRIALS
 
 
 def test_bad_layout_name_is_one_clear_error():

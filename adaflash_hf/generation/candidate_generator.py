@@ -37,8 +37,9 @@ from transformers.generation.logits_process import LogitsProcessorList
 from ..dflash2 import walk_selector
 from .acceptance import leading_true
 from .draft_head import DraftHead
-from .length_policy import LengthPolicy
+from .options import AdaFlashGenerationOptions
 from .processing import ids_independent, process_positions, token_chooser
+from .profile import profile_for
 
 
 @dataclass
@@ -66,10 +67,9 @@ def _all_true(mask: torch.Tensor | None) -> bool:
     return mask is None or bool(mask.all())
 
 
-def adapter_names_for(drafter, generation_config) -> list[str] | None:
+def adapter_names_for(drafter, names: list[str] | None) -> list[str] | None:
     """The per-row PEFT adapter names of ``GenerationConfig(adaflash_adapter_names=[...])``, checked against the
     adapters the (PEFT-wrapped) drafter holds; ``"__base__"`` drafts a row with the bare drafter."""
-    names = getattr(generation_config, "adaflash_adapter_names", None)
     if names is None:
         return None
     loaded = set(getattr(drafter, "peft_config", None) or {})
@@ -93,30 +93,42 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
     Args:
         target: the target `PreTrainedModel`; its input embeddings embed the block, its output embeddings give logits.
         drafter: an `AdaFlashDrafter` (or a PEFT model wrapping one).
-        generation_config: the call's `GenerationConfig` (`do_sample`, `max_length`, `adaflash_*` policy overrides,
-            and ``adaflash_adapter_names``: one PEFT adapter name per batch row, for per-request domain adapters).
+        generation_config: the call's `GenerationConfig` (`do_sample`, `temperature`, `max_length`).
         logits_processor: the processors the target's logits get; the drafter's logits get the same.
+        options (`AdaFlashGenerationOptions`, *optional*): the call's ``adaflash_*`` settings (read from
+            ``generation_config`` when not given): the length policy, the draft head's dtype and
+            ``adapter_names``, one PEFT adapter name per batch row, for per-request domain adapters.
     """
 
     requires_model_outputs = True
 
-    def __init__(self, target, drafter, generation_config, logits_processor: LogitsProcessorList | None = None):
+    def __init__(
+        self,
+        target,
+        drafter,
+        generation_config,
+        logits_processor: LogitsProcessorList | None = None,
+        options: AdaFlashGenerationOptions | None = None,
+    ):
         drafter.check_compatible(target)
         config = drafter.config
+        if options is None:
+            options = AdaFlashGenerationOptions.from_generation_config(generation_config, config)
         self.drafter = drafter
         self.device = drafter.device
         self.input_embeddings = target.get_input_embeddings()
         self.draft_head = DraftHead(
             target.get_output_embeddings(),
-            getattr(generation_config, "adaflash_draft_head_dtype", None),
+            options.draft_head_dtype,
             vocab=config.draft_vocab,
+            profile=profile_for(target, drafter),
         )
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.target_layer_ids = list(config.target_layer_ids)
         # Only the layers the drafter reads are materialised by the target (None elsewhere).
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
-        self.policy = LengthPolicy.resolve(config, generation_config)
+        self.policy = options.length_policy
         self.do_sample = bool(generation_config.do_sample)
         self.choose = token_chooser(self.do_sample)
         self.choose_draft = token_chooser(self.do_sample, drafts=True)
@@ -124,7 +136,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else None
         self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
         self.max_length = generation_config.max_length
-        self.adapter_names = adapter_names_for(drafter, generation_config)
+        self.adapter_names = adapter_names_for(drafter, options.adapter_names)
         self.cache = DFlashCache(config=config)
         self.cache_mask: torch.Tensor | None = None
         self._pending: list[tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None]] = []
@@ -173,8 +185,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         return features, positions, None if _all_true(valid) else valid
 
     def skip(self, anchors: torch.LongTensor) -> Drafts:
-        """A step without drafts (``length_policy="planned"`` chose a plain step): the drafter does not run, and the
-        context queued for it waits, with the context of this step, for the next `draft()`."""
+        """A step without drafts (the step's plan chose a plain step): the drafter does not run, and the context
+        queued for it waits, with the context of this step, for the next `draft()`."""
         batch = anchors.shape[0]
         none = anchors.new_zeros((batch, 0))
         return Drafts(tokens=none, logits=None, probs=None, num_drafts=anchors.new_zeros(batch))

@@ -9,8 +9,9 @@ A bfloat16 copy of the same matrix halves the bytes and can run several times fa
 more than the CPU: on an Intel machine with AMX (an earlier session's measurement) a standalone timing loop projected
 15 positions in 2.8 ms in bfloat16 against 12.8 ms in float32, while inside the decoding loop, between target
 forwards, the same bfloat16 product took 75-84 ms and float32 14-26 ms. So the choice is measured where it is used:
-the first `TRIALS` calls of each dtype inside generation, alternating, timed per projected position; then the faster
-one (by median, bfloat16 only if it wins by 20%) is kept for the process and head (`measured.py`).
+the first calls of each dtype inside generation, alternating, timed per projected position; then the faster one (by
+median, bfloat16 only if it wins by 20%) is kept in the pair's `profile.RuntimeProfile` (`measured.py`), with the
+bfloat16 copy.
 
 Lossless either way: the drafts only *propose* tokens. Greedy verification keeps a draft only if it equals the
 float32 target's own choice; sampling draws the drafts from the distribution these logits define and accepts them
@@ -29,23 +30,12 @@ logit is ``-inf``; sampling: its draft probability is 0, which rejection samplin
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
-from .measured import MeasuredChoice
+from .profile import RuntimeProfile
 
 DRAFT_HEAD_CHOICES = ("auto", "same")
-
-TRIALS = 3  # timed calls of each dtype before "auto" decides
-# (id of the weight, its version counter, device, shape, vocabulary) -> float32 or bfloat16, measured once per process
-# (seconds per projected position); bfloat16 only if it wins by 20%.
-_DTYPES = MeasuredChoice(torch.float32, torch.bfloat16, trials=TRIALS, margin=0.8)
-_CHOICES = _DTYPES.choices
-# (id of the weight, its version counter, dtype) -> the weight in that dtype (one copy per head, refreshed when the
-# weight changes in place, e.g. during training).
-_COPIES: dict[tuple, torch.Tensor] = {}
-
 
 # what a head can project in: floating dtypes that matmul supports on every device (no float8, no complex)
 HEAD_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -65,10 +55,6 @@ def resolve_dtype_name(name) -> str:
     )
 
 
-def _key(weight: torch.Tensor, vocab: _Vocab | None = None) -> tuple:
-    return (id(weight), weight._version, weight.device, tuple(weight.shape), None if vocab is None else vocab.key)
-
-
 class _Vocab:
     """A draft vocabulary: its ids as a tensor and a key that tells vocabularies apart in the caches above."""
 
@@ -78,49 +64,35 @@ class _Vocab:
         self.ids = torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _copy(weight: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None = None) -> torch.Tensor:
-    """``weight`` (its ``vocab`` rows only, when given) in ``dtype``; a copy kept per weight version."""
-    if dtype == weight.dtype and vocab is None:
-        return weight
-    key = (*_key(weight, vocab), dtype)
-    if key not in _COPIES:
-        stale = [k for k in _COPIES if k[0] == id(weight) and k[1] != weight._version]
-        for old in stale:
-            del _COPIES[old]
-        if not any(k[0] == id(weight) for k in _COPIES):  # the copies go with the weight they were made from
-            weakref.finalize(weight, _forget, id(weight))
-        rows = weight.detach() if vocab is None else weight.detach().index_select(0, vocab.ids.to(weight.device))
-        _COPIES[key] = rows.to(dtype)
-    return _COPIES[key]
-
-
-def _forget(weight_id: int) -> None:
-    # the dtype measurements are forgotten by `_DTYPES` itself (`MeasuredChoice.next_trial`'s owner)
-    for key in [k for k in _COPIES if k[0] == weight_id]:
-        del _COPIES[key]
-
-
-def _project(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None) -> torch.Tensor:
-    """Float32 logits over the whole vocabulary (``-inf`` outside ``vocab`` when given)."""
+def _project(
+    head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None, profile: RuntimeProfile
+) -> torch.Tensor:
+    """Float32 logits over the whole vocabulary (``-inf`` outside ``vocab`` when given); a copy of the weight in
+    another dtype or of its vocabulary rows is the profile's."""
     weight = head.weight
     if dtype == weight.dtype and vocab is None:
         return head(hidden.to(weight.device, weight.dtype)).float()
     bias = head.bias
     if bias is not None:
         bias = (bias if vocab is None else bias.index_select(0, vocab.ids.to(bias.device))).to(dtype)
-    logits = torch.nn.functional.linear(hidden.to(weight.device, dtype), _copy(weight, dtype, vocab), bias).float()
+    copy = _weight_copy(weight, dtype, vocab, profile)
+    logits = torch.nn.functional.linear(hidden.to(weight.device, dtype), copy, bias).float()
     if vocab is None:
         return logits
     full = logits.new_full((*logits.shape[:-1], weight.shape[0]), float("-inf"))
     return full.index_copy_(-1, vocab.ids.to(full.device), logits)
 
 
-def _timed(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab) -> tuple[torch.Tensor, float]:
+def _weight_copy(weight, dtype, vocab: _Vocab | None, profile: RuntimeProfile) -> torch.Tensor:
+    return profile.head_copy(weight, dtype, None if vocab is None else vocab.ids, None if vocab is None else vocab.key)
+
+
+def _timed(head, hidden, dtype, vocab, profile) -> tuple[torch.Tensor, float]:
     """Projects and returns the logits with the seconds it took (device-synchronised)."""
     sync = torch.cuda.synchronize if head.weight.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    logits = _project(head, hidden, dtype, vocab)
+    logits = _project(head, hidden, dtype, vocab, profile)
     sync()
     return logits, time.perf_counter() - start
 
@@ -132,10 +104,19 @@ class DraftHead:
         output_embeddings (`nn.Linear`): the target's LM head.
         dtype_name (`str`): ``adaflash_draft_head_dtype`` (see the module docstring).
         vocab (`list[int]`, *optional*): the drafter's reduced draft vocabulary (``AdaFlashConfig.draft_vocab``).
+        profile (`RuntimeProfile`, *optional*): where the dtype choice and the weight copies live (the pair's
+            `profile.profile_for` in generation); a new one by default.
     """
 
-    def __init__(self, output_embeddings: torch.nn.Module, dtype_name: str = "auto", vocab=None):
+    def __init__(
+        self,
+        output_embeddings: torch.nn.Module,
+        dtype_name: str = "auto",
+        vocab=None,
+        profile: RuntimeProfile | None = None,
+    ):
         self.head = output_embeddings
+        self.profile = RuntimeProfile() if profile is None else profile
         weight = output_embeddings.weight
         self.vocab = None if vocab is None else _Vocab(vocab, weight.device)
         name = resolve_dtype_name(dtype_name)
@@ -148,15 +129,20 @@ class DraftHead:
     @property
     def dtype(self) -> torch.dtype | None:
         """The dtype drafts are projected in; ``None`` while "auto" is still measuring."""
-        return self._fixed if self._fixed is not None else _CHOICES.get(_key(self.head.weight, self.vocab))
+        return self._fixed if self._fixed is not None else self.profile.head_dtypes.chosen(self._key)
+
+    @property
+    def _key(self) -> tuple:
+        weight = self.head.weight
+        return (weight.device.type, tuple(weight.shape), None if self.vocab is None else self.vocab.key)
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
         if dtype is not None:
-            return _project(self.head, hidden, dtype, self.vocab)
-        key = _key(self.head.weight, self.vocab)
-        dtype = _DTYPES.next_trial(key, owner=self.head.weight)  # the measurement goes with its weight
-        logits, seconds = _timed(self.head, hidden, dtype, self.vocab)
-        _DTYPES.record(key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
+            return _project(self.head, hidden, dtype, self.vocab, self.profile)
+        choice = self.profile.head_dtypes
+        dtype = choice.next_trial(self._key)
+        logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile)
+        choice.record(self._key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
         return logits

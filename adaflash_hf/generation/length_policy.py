@@ -17,18 +17,21 @@ Policies:
 
 The policy comes from the drafter config, and can be overridden per call with `GenerationConfig` attributes
 ``adaflash_length_policy``, ``adaflash_length_rate``, ``adaflash_min_candidate_length`` and
-``adaflash_confidence_threshold`` (bare `generate()` kwargs would be rejected by transformers' kwarg validation).
+``adaflash_confidence_threshold``, read by `options.py`.
+
+How the loop consults a policy each step is the `StepPlan` protocol: `PolicyPlan` for the policies above, whose
+lengths the candidate generator applies as it drafts, and the planner (`planner.VerificationPlanner`) for
+``planned``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 
 from ..configuration import length_policy_problems
-
-GENERATION_CONFIG_PREFIX = "adaflash_"
 
 
 @dataclass(frozen=True)
@@ -39,20 +42,13 @@ class LengthPolicy:
     confidence_threshold: float = 0.3
 
     @classmethod
-    def resolve(cls, drafter_config, generation_config=None) -> LengthPolicy:
-        """The drafter config's policy, overridden by `adaflash_*` attributes of the generation config."""
-        values = {}
-        for field in fields(cls):
-            override = getattr(generation_config, GENERATION_CONFIG_PREFIX + field.name, None)
-            values[field.name] = getattr(drafter_config, field.name) if override is None else override
-        policy = cls(**values)
-        policy.validate(drafter_config)
-        return policy
+    def from_config(cls, drafter_config) -> LengthPolicy:
+        """The drafter config's own policy (per-call overrides: `options.AdaFlashGenerationOptions`)."""
+        return cls(**{field.name: getattr(drafter_config, field.name) for field in fields(cls)})
 
-    def validate(self, drafter_config) -> None:
-        problems = length_policy_problems(self, drafter_config, prefix=GENERATION_CONFIG_PREFIX)
-        if problems:
-            raise ValueError("; ".join(problems))
+    def problems(self, drafter_config, prefix: str = "") -> list[str]:
+        """What is wrong with this policy for the drafter; empty when nothing is."""
+        return length_policy_problems(self, drafter_config, prefix=prefix)
 
     @property
     def needs_confidence(self) -> bool:
@@ -84,3 +80,47 @@ class LengthPolicy:
             )
             lengths = first.long()
         return lengths.clamp(self.min_candidate_length, block_size)
+
+
+class StepPlan(Protocol):
+    """What the decoding loop asks a step's plan, once each per step, in this order. Plans only choose how many
+    drafts are verified; what is committed is the acceptance rule's, so no plan can change the output."""
+
+    def before_draft(self, rows: list[int], room: torch.LongTensor) -> torch.LongTensor:
+        """Most drafts each active row (``rows``: their indices in the call's batch) may verify this step, within
+        ``room [R]`` (each row's token budget, less the token the target adds); all zero: a plain step, and the
+        drafter does not run."""
+
+    def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
+        """Drafts each row verifies, ``[R]``, at most ``drafts.num_drafts`` (`candidate_generator.Drafts`)."""
+
+    def tree_shape(self, num_drafts, room, drafted: int, budget: int) -> tuple[torch.LongTensor, int]:
+        """``(depth [R], tokens)`` of this step's draft trees, given the drafts chosen, each row's ``room``, the
+        ``drafted`` positions of the block and ``adaflash_tree_budget``."""
+
+    def untimed(self) -> None:
+        """This step ran a one-off cost (a measurement of the draft head's dtype or of a GEMM layout)."""
+
+    def after_verify(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> dict:
+        """The verified step's outcome (``offered``: the longest path each row's drafts allowed); returns what the
+        plan predicted and measured, for `record_stats()`."""
+
+
+class PolicyPlan:
+    """The `StepPlan` of the ``fixed``, ``adaptive`` and ``confidence`` policies: the candidate generator applies the
+    policy's lengths as it drafts, so every step drafts, and a tree is as deep as the drafts chosen."""
+
+    def before_draft(self, rows, room):
+        return room
+
+    def after_draft(self, rows, drafts):
+        return drafts.num_drafts
+
+    def tree_shape(self, num_drafts, room, drafted, budget):
+        return num_drafts, budget
+
+    def untimed(self) -> None:
+        pass
+
+    def after_verify(self, rows, width, accepted, offered) -> dict:
+        return {}

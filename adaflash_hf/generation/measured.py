@@ -9,15 +9,15 @@ times runs next, so both see the same conditions), and after `trials` timings of
 for the process, the candidate only if it wins by the margin.
 
 Generations in several threads may share a key (transformers' generate() is thread-safe per call), so the
-bookkeeping is locked; the timed work itself is not.
+bookkeeping is locked (with the lock of the `profile.RuntimeProfile` that owns the choice); the timed work itself is
+not.
 """
 
 from __future__ import annotations
 
 import statistics
 import threading
-import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 
 class MeasuredChoice:
@@ -28,30 +28,25 @@ class MeasuredChoice:
         candidate: the option timed against it.
         trials (`int`): timings of each option before the key is decided.
         margin (`float`): the candidate is chosen when its median time is below ``margin`` times the baseline's.
+        lock (`threading.RLock`, *optional*): the lock guarding the bookkeeping (its owner's; a new one by default).
     """
 
-    def __init__(self, baseline, candidate, trials: int, margin: float):
+    def __init__(self, baseline, candidate, trials: int, margin: float, lock=None):
         self.baseline, self.candidate = baseline, candidate
         self.trials_per_option = trials
         self.margin = margin
         self.choices: dict[Hashable, object] = {}  # key -> the option kept
         self.timings: dict[Hashable, dict[object, list[float]]] = {}  # key -> option -> seconds, while measuring
-        # reentrant: `forget` runs from weakref finalizers, which garbage collection may call inside a locked section
-        self._lock = threading.RLock()
+        self._lock = threading.RLock() if lock is None else lock
 
     def chosen(self, key: Hashable):
         """The option decided for ``key``; ``None`` while it is still measured."""
         return self.choices.get(key)
 
-    def next_trial(self, key: Hashable, owner=None):
-        """The option the next timed call of ``key`` runs. ``owner``: an object (a weight, a model) whose collection
-        forgets the key's measurement, so that a new object reusing its ``id`` is measured afresh."""
+    def next_trial(self, key: Hashable):
+        """The option the next timed call of ``key`` runs."""
         with self._lock:
-            timings = self.timings.get(key)
-            if timings is None:
-                timings = self.timings[key] = {self.baseline: [], self.candidate: []}
-                if owner is not None:
-                    weakref.finalize(owner, self.forget, lambda k, key=key: k == key)
+            timings = self.timings.setdefault(key, {self.baseline: [], self.candidate: []})
             return min(timings, key=lambda option: len(timings[option]))
 
     def record(self, key: Hashable, option, seconds: float) -> None:
@@ -66,9 +61,8 @@ class MeasuredChoice:
                 self.choices[key] = self.candidate if candidate < self.margin * baseline else self.baseline
                 self.timings.pop(key, None)
 
-    def forget(self, matches: Callable[[Hashable], bool]) -> None:
-        """Drops the choices and measurements of every key ``matches`` accepts."""
+    def clear(self) -> None:
+        """Forgets every choice and measurement (the next calls measure again)."""
         with self._lock:
-            for table in (self.choices, self.timings):
-                for key in [k for k in table if matches(k)]:
-                    del table[key]
+            self.choices.clear()
+            self.timings.clear()

@@ -9,8 +9,9 @@ decoding step. Both sides are measured, never assumed:
   an exponential moving average of the loop's own steps; an unmeasured width is interpolated linearly between the
   measured widths of the same ``R``, and bounded from above outside them (wider than the widest: in proportion to
   width; narrower than the narrowest: its cost), and an unmeasured ``R`` borrows the
-  nearest measured one's costs (rows leave a batch one by one as they finish). The table lives in the process, per
-  (target, drafter, device, dtype), so a later ``generate()`` call starts from what earlier ones measured.
+  nearest measured one's costs (rows leave a batch one by one as they finish). The table lives in the pair's
+  `profile.RuntimeProfile`, per device and dtype, so a later ``generate()`` call starts from what earlier ones
+  measured.
 * **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
   probability ``p`` (a geometric model), so ``k`` offered drafts commit ``1 + p + ... + p^k`` tokens in expectation.
   ``p`` is estimated per row from its accepted and offered drafts (accepted drafts are successes, a rejection is one
@@ -34,13 +35,14 @@ geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor t
 expected drafts. The width maximises the same expected rate over ``2 .. block_size`` (the drafter has run; every
 drafted width is costed by the same table).
 
-The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact.
+The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact. It is
+the loop's `length_policy.StepPlan` for ``length_policy="planned"``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -120,33 +122,30 @@ class CostTable:
         return measured[above[0]]
 
 
-# (target, drafter) -> {(device type, dtype): CostTable}; weak, so tables leave with their models.
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def cost_table(target, drafter, device: torch.device, dtype: torch.dtype) -> CostTable:
-    """The process's table for this pair on this device and dtype."""
-    per_target = _TABLES.setdefault(drafter, weakref.WeakKeyDictionary())
-    per_device = per_target.setdefault(target, {})
-    return per_device.setdefault((device.type, str(dtype)), CostTable())
-
-
 class VerificationPlanner:
     """Chooses each step's verify width for one generate() call (see the module docstring).
 
     Args:
-        table (`CostTable`): the pair's measured costs (`cost_table`).
+        table (`CostTable`): the pair's measured costs (`profile.RuntimeProfile.cost_table`).
         block_size (`int`): the drafter's block; widths lie in ``[1, block_size]``.
         batch_size (`int`): rows of the call.
         device (`torch.device`): timings synchronise CUDA devices before they read the clock.
         length_head (`bool`): the drafter has a length head: draft-or-plain by the measured rate of drafted steps,
             and the width after drafting from the head's predictions (`refine`).
+        lock (*optional*): held while the shared table is updated (the profile's).
     """
 
     def __init__(
-        self, table: CostTable, block_size: int, batch_size: int, device: torch.device, length_head: bool = False
+        self,
+        table: CostTable,
+        block_size: int,
+        batch_size: int,
+        device: torch.device,
+        length_head: bool = False,
+        lock=None,
     ):
         self.table = table
+        self._lock = contextlib.nullcontext() if lock is None else lock
         self.block_size = block_size
         self.length_head = length_head
         self._expected_accepted: torch.Tensor | None = None  # per row of the refined step, for the head's calibration
@@ -162,6 +161,29 @@ class VerificationPlanner:
         # well where the last call's did not (a process that served hard prompts first would otherwise wait up to
         # `MAX_PROBE_INTERVAL` plain steps before it looks again). The measured costs stay: they are the machine's.
         table.probe_interval = FIRST_PROBE_INTERVAL
+
+    # ------------------------------------------------------------------ the loop's StepPlan
+
+    def before_draft(self, rows: list[int], room: torch.LongTensor) -> torch.LongTensor:
+        self.begin()
+        return self.plan(rows, room)
+
+    def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
+        if self.length_head and drafts.length_prediction is not None:
+            return self.refine(rows, drafts.length_prediction, drafts.num_drafts)
+        return drafts.num_drafts
+
+    def tree_shape(self, num_drafts, room, drafted: int, budget: int) -> tuple[torch.LongTensor, int]:
+        """The planner's width (the tokens it found worth verifying, anchor included) is the tree's budget, within
+        ``adaflash_tree_budget``, and a tree may reach as deep as the row's room and the drafted positions allow:
+        the planner decides how many tokens a step verifies, the tree which ones, and a tree of ``w`` tokens commits
+        at least what the linear ``w`` would in expectation (it holds the likeliest paths)."""
+        budget = min(budget, int(num_drafts.max()) + 1)
+        return torch.where(num_drafts > 0, room.clamp(max=drafted), 0), budget
+
+    def after_verify(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> dict:
+        step_s = self.observe(rows, width, accepted, offered)
+        return {"step_time_s": step_s, **(self.last_prediction or {})}
 
     # ------------------------------------------------------------------ choice
 
@@ -265,6 +287,10 @@ class VerificationPlanner:
         """Records the step just run (started at the last `begin`); returns its measured seconds."""
         self._sync()
         seconds = time.perf_counter() - self._started
+        with self._lock:
+            return self._observe(rows, width, accepted, offered, seconds)
+
+    def _observe(self, rows, width, accepted, offered, seconds) -> float:
         timed, self._untimed = not self._untimed, False
         if timed:
             self.table.observe(len(rows), width, seconds)

@@ -30,6 +30,7 @@ from transformers.generation.utils import GenerationMixin
 
 from .candidate_generator import AdaFlashCandidateGenerator
 from .decoding import adaflash_decoding
+from .options import AdaFlashGenerationOptions
 
 EXPECTED_SIGNATURES = {
     "_assisted_decoding": (
@@ -71,11 +72,8 @@ def _ours(assistant_model, generation_config) -> bool:
     return is_adaflash_drafter(assistant_model) and generation_config.speculation_type != "dflash"
 
 
-def _uses_our_loop(generation_config) -> bool:
-    loop = getattr(generation_config, "adaflash_decoding_loop", None) or "adaflash"
-    if loop not in ("adaflash", "transformers"):
-        raise ValueError(f"adaflash_decoding_loop={loop!r} must be 'adaflash' or 'transformers'")
-    return loop == "adaflash"
+def _options(assistant_model, generation_config) -> AdaFlashGenerationOptions:
+    return AdaFlashGenerationOptions.from_generation_config(generation_config, assistant_model.config)
 
 
 def _validate_generation_mode(previous, self, generation_mode, generation_config, generation_mode_kwargs):
@@ -106,9 +104,10 @@ def _assisted_decoding(
     tokenizer=None,
     **model_kwargs,
 ):
-    if _ours(assistant_model, generation_config) and not _uses_our_loop(generation_config):
-        _check_transformers_loop(input_ids, stopping_criteria, generation_config)
-    elif _ours(assistant_model, generation_config):
+    ours = _ours(assistant_model, generation_config)
+    if ours and _options(assistant_model, generation_config).decoding_loop == "transformers":
+        _check_transformers_loop(input_ids, stopping_criteria)
+    elif ours:
         if synced_gpus:
             raise ValueError("adaflash_hf's decoding loop does not support synced_gpus (FSDP/ZeRO-3 generation).")
         return adaflash_decoding(
@@ -137,19 +136,9 @@ def _assisted_decoding(
     )
 
 
-def _check_transformers_loop(input_ids, stopping_criteria, generation_config) -> None:
-    """What transformers' assisted loop, driven by our candidate generator, does not do exactly."""
-    if getattr(generation_config, "adaflash_tree_budget", None) is not None:
-        raise ValueError(
-            "adaflash_tree_budget needs adaflash_hf's loop: transformers' assisted-decoding loop verifies one linear "
-            "candidate per step. Drop adaflash_decoding_loop='transformers', or drop adaflash_tree_budget."
-        )
-    if getattr(generation_config, "adaflash_verify_layout", None) == "transposed":
-        raise ValueError(
-            "adaflash_verify_layout='transposed' needs adaflash_hf's loop: transformers' assisted-decoding loop "
-            "runs its own verification forwards. Drop adaflash_decoding_loop='transformers', or drop "
-            "adaflash_verify_layout."
-        )
+def _check_transformers_loop(input_ids, stopping_criteria) -> None:
+    """What transformers' assisted loop, driven by our candidate generator, does not do exactly (the options it
+    cannot honour are refused by `options.py`)."""
     if input_ids.shape[0] > 1:
         raise ValueError(
             f"adaflash_decoding_loop='transformers' runs transformers' assisted-decoding loop, which is batch 1; this "
@@ -178,7 +167,8 @@ def _get_candidate_generator(
     assistant_tokenizer=None,
 ):
     if _ours(assistant_model, generation_config):
-        return AdaFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor)
+        options = _options(assistant_model, generation_config)
+        return AdaFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor, options)
     return previous(
         self,
         generation_config,

@@ -22,6 +22,10 @@ for drafts that are deterministic: a candidate ``c`` with draft probability one 
 ``p(c)`` and, when rejected, leaves the residual ``p`` with ``c`` removed; trying a node's children in turn accepts
 child ``c`` with probability ``p(c)`` and stops with a token outside the children otherwise, which is exactly what
 "sample from ``p``, descend if it is a child" does.)
+
+`TreeVerifier` is the loop's verifier for trees (the linear one is `verifiers.LinearVerifier`): it builds each row's
+tree, verifies it in one forward, walks it, and moves the accepted path's cache columns, features and logits to the
+front of the step's, so that the loop commits it exactly as a linear block.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import leading_true
+from .verifiers import History, TargetForward, Verified
 
 
 @dataclass
@@ -194,3 +199,61 @@ def walk_trees(
         torch.tensor(orders, device=device),
         torch.tensor(following, device=device),
     )
+
+
+class TreeVerifier:
+    """Verifies a draft tree per row (module docstring).
+
+    Args:
+        forward (`TargetForward`): the target's verification forward.
+        choose: the target's token from processed logits (argmax, or one sample).
+        budget (`int`): ``adaflash_tree_budget``, tokens per row and step, anchor included.
+        pad_token_id (`int`): tree padding, and what a stopped row gets.
+        mask_dtype (`torch.dtype`): the target's dtype (tree masks are additive).
+    """
+
+    def __init__(self, forward: TargetForward, choose, budget: int, pad_token_id: int, mask_dtype: torch.dtype):
+        self.forward, self.choose, self.budget = forward, choose, budget
+        self.pad_token_id, self.mask_dtype = pad_token_id, mask_dtype
+
+    def verify(self, anchors, drafts, positions, history: History, padded, depth, budget: int) -> Verified:
+        """As `verifiers.LinearVerifier.verify`, with each row's tree at most ``depth [B]`` deep and ``budget``
+        tokens wide."""
+        if padded is not None:  # plain decoding only pads a stopped row: it gets no tree, its token is padding
+            depth = depth.masked_fill(padded, 0)
+        tree = build_trees(drafts.logits, depth, budget, self.pad_token_id)
+        cache = self.forward.cache
+        width, past = tree.width, cache.columns
+        ids = torch.cat([anchors[:, None], tree.tokens], dim=1)
+        depths = torch.cat([tree.depths.new_zeros(len(anchors), 1), tree.depths], 1)
+        # ids-independent processors only (checked before the call runs), so no node needs its path as their ids
+        raw, processed, features, trial, at = self.forward(
+            ids,
+            tree_attention_mask(tree, cache.mask, past, self.mask_dtype),
+            positions[:, None] + depths,
+            tree.tokens,
+            history,
+        )
+        choices = self.choose(processed.flatten(0, 1)).view(processed.shape[:2])
+        accepted, order, following = walk_trees(tree, choices)
+        if padded is not None:
+            following = following.masked_fill(padded, self.pad_token_id)
+
+        def by_order(values):  # [B, width, ...] in the walk's order: anchor, accepted path, the rest
+            return values.gather(1, order.view(*order.shape, *[1] * (values.dim() - 2)).expand_as(values))
+
+        cache.move_to_front(order, width)
+        path = by_order(ids)[:, 1:]
+        committed = torch.cat([path, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
+        return Verified(
+            committed,
+            accepted,
+            tree.num_nodes,
+            tree.deepest,
+            by_order(processed),
+            by_order(raw),
+            width,
+            by_order(features),
+            trial,
+            at,
+        )

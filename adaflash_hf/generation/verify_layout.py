@@ -8,8 +8,8 @@ whole SmolLM2-135M forward of 2 tokens cost 1.8x one of 1 token and 3 tokens 2.2
 ``(W @ x.T).T``, cost 1.2-1.4x a plain step at 2-4 tokens there, and a plain step of 2 rows 0.56x linear's. Which
 layout wins depends on the BLAS library, the CPU and the memory around the forward, so neither is assumed: for each
 ``M`` in `SMALL_TOKENS`, the first verification forwards alternate between the layouts, timed whole in the loop
-(`measured.py`), and the transposed one is kept only if it is at least 10% faster; every other forward runs as the
-model wrote it.
+(`measured.py`), and the transposed one is kept, in the pair's `profile.RuntimeProfile`, only if it is at least 10%
+faster; every other forward runs as the model wrote it.
 
 Lossless: both layouts compute the same sums of the same float32 products, in a different order, as any change of
 GEMM shape does (verifying 8 tokens already sums differently from decoding 1); the target still verifies every
@@ -29,25 +29,10 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .measured import MeasuredChoice
+from .profile import RuntimeProfile
 
 VERIFY_LAYOUTS = ("auto", "linear", "transposed")
 SMALL_TOKENS = range(2, 8)  # M = 1 is a matrix-vector product already; from 8 tokens on, linear was as fast or faster
-TRIALS = 2  # timed forwards of each layout per M (a forward is ~50 ms, so trials cost a few tenths of a second)
-
-# (id of the target, M) -> "linear" or "transposed", once per process
-_LAYOUTS = MeasuredChoice("linear", "transposed", trials=TRIALS, margin=0.9)
-
-
-def resolve_layout(name) -> str:
-    """Validates ``adaflash_verify_layout``."""
-    name = "auto" if name is None else name
-    if name not in VERIFY_LAYOUTS:
-        raise ValueError(
-            f"adaflash_verify_layout={name!r} is not one of {', '.join(map(repr, VERIFY_LAYOUTS))} ('auto' measures "
-            "which GEMM layout verifies a few tokens faster on this machine)."
-        )
-    return name
 
 
 class TransposedLinear(TorchFunctionMode):
@@ -78,12 +63,13 @@ class VerifyLayout:
 
     Args:
         target (`PreTrainedModel`): the verifying model; only a float32 model on a CPU is ever rerouted.
-        name (`str`): ``adaflash_verify_layout`` (see the module docstring).
+        name (`str`): ``adaflash_verify_layout`` (see the module docstring; validated by `options.py`).
+        profile (`RuntimeProfile`): where the measured choices live (the pair's `profile.profile_for`).
     """
 
-    def __init__(self, target, name: str = "auto"):
-        self.target = target
-        self.name = resolve_layout(name)
+    def __init__(self, target, name: str, profile: RuntimeProfile):
+        self.choice = profile.layouts
+        self.name = name
         parameter = next(target.parameters(), None)
         cpu_float32 = parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.float32
         self.active = cpu_float32 and self.name != "linear"
@@ -94,11 +80,10 @@ class VerifyLayout:
             return "linear", False
         if self.name == "transposed":
             return "transposed", False
-        key = (id(self.target), tokens)
-        chosen = _LAYOUTS.chosen(key)
+        chosen = self.choice.chosen(tokens)
         if chosen is not None:
             return chosen, False
-        return _LAYOUTS.next_trial(key, owner=self.target), True
+        return self.choice.next_trial(tokens), True
 
     @contextlib.contextmanager
     def forward(self, tokens: int):
@@ -109,4 +94,4 @@ class VerifyLayout:
         with TransposedLinear() if layout == "transposed" else contextlib.nullcontext():
             yield trial
         if trial:
-            _LAYOUTS.record((id(self.target), tokens), layout, time.perf_counter() - start)
+            self.choice.record(tokens, layout, time.perf_counter() - start)
