@@ -235,7 +235,10 @@ class DrafterCheckpoint:
             raw, config_source = read_config_dict(path_or_repo_id, hub)
             config = config_from_dict(raw, config_source, **overrides)
         elif not isinstance(config, AdaFlashConfig):
-            raise CheckpointError(f"config must be an AdaFlashConfig, got {type(config).__name__}")
+            raise CheckpointError(
+                f"config must be an AdaFlashConfig, got a {type(config).__name__}: pass an AdaFlashConfig, or no "
+                "config to read the checkpoint's own"
+            )
         speculators = "speculators_model_type" in raw
         files = resolve_weight_files(path_or_repo_id, hub)
         shapes: dict[str, tuple[int, ...]] = {}
