@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from transformers import AutoConfig, AutoModel
 
 from .configuration import AdaFlashConfig, AdaptiveLengthHeadConfig, build_target_layer_ids
-from .formats import CheckpointError
 from .generation import (
     AdaFlashCandidateGenerator,
     LengthPolicy,
@@ -25,6 +24,7 @@ from .generation import (
     uninstall,
 )
 from .modeling import AdaFlashDrafter, AdaFlashDrafterOutput, AdaptiveLengthHead
+from .schema import CheckpointError
 
 __version__ = "0.1.0"
 

@@ -6,69 +6,27 @@ no embeddings and no LM head of its own: it borrows the target's, so ``hidden_si
 the target's.
 
 The official z-lab DFlash and AdaFlash checkpoints store the same facts as a ``Qwen3Config`` plus a nested
-``dflash_config`` dict; :mod:`adaflash_hf.formats` converts between that schema and this class.
+``dflash_config`` dict, and `speculators` ones in its own schema; :mod:`adaflash_hf.schema` maps each to this class's
+fields and back, for `AdaFlashConfig.from_pretrained` and the drafter's loads and saves alike.
 """
 
 from __future__ import annotations
 
-import warnings
-
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .dflash2 import DFLASH2_ARCHITECTURE, DRAFTER_TYPES
+from .dflash2 import DRAFTER_TYPES
+from .schema import (
+    ADAFLASH_MODEL_TYPE,
+    CONFIG_NAME,
+    HUB_KWARGS,
+    CheckpointError,
+    fields_from_config_dict,
+    read_config_dict,
+    root_message,
+)
 
 LENGTH_POLICIES = ("fixed", "adaptive", "confidence", "planned")
-DFLASH_ARCHITECTURE = "DFlashDraftModel"
-
-# Qwen3 config keys that map 1:1 onto AdaFlashConfig fields.
-_GEOMETRY_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "attention_bias",
-    "attention_dropout",
-    "layer_types",
-    "initializer_range",
-    "vocab_size",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "tie_word_embeddings",
-)
-_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-# AdaFlash dflash_config flag -> AdaFlashConfig field.
-_HEAD_KEYS = {
-    "use_thresh_head_two_model": "use_length_head",
-    "thresh_head_bottleneck_dim": "length_head_bottleneck_dim",
-    "thresh_head_direct_len": "length_head_direct_len",
-}
-# AdaFlashConfig fields with no place in the official schema; saved under "adaflash_config".
-ADAFLASH_KEYS = (
-    "target_model",
-    "length_policy",
-    "length_rate",
-    "min_candidate_length",
-    "confidence_threshold",
-    "draft_vocab",
-)
-# DFlash 2 fields, under the names the engines' configs give them (z-lab's ``dflash_config``, speculators' top level).
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# z-lab DFlash 2 settings that scale the unary logits (MiniMax drafters); not implemented here, so refused if set.
-_UNSUPPORTED_LOGIT_TRANSFORMS = {"output_multiplier": 1.0, "final_logit_softcapping": None}
-# Legacy AdaFlash heads that no serving engine uses (docs/algorithm.md §6.1); their tensors are skipped, with a
-# warning.
-UNSUPPORTED_HEADS = {"use_thresh_head_subsequent": "thresh_head_subsequent.", "use_prob_head": "prob_head."}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as a drafter; the message names the problem and the fix."""
 
 
 def length_policy_problems(policy, drafter_config, prefix: str = "") -> list[str]:
@@ -209,7 +167,7 @@ class AdaFlashConfig(PreTrainedConfig):
             `1 - prod(max draft probability)` exceeds it.
     """
 
-    model_type = "adaflash"
+    model_type = ADAFLASH_MODEL_TYPE
     default_theta = 1_000_000.0  # the rope_theta of every shipped Qwen3 DFlash drafter
 
     hidden_size: int = 4096
@@ -268,13 +226,13 @@ class AdaFlashConfig(PreTrainedConfig):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
-        """Also reads the official z-lab DFlash schema (``model_type: qwen3`` with a ``dflash_config``), so
-        `AdaFlashConfig.from_pretrained` accepts every checkpoint `AdaFlashDrafter.from_pretrained` does (PEFT reads
-        a base model's config this way when it saves an adapter)."""
-        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if config_dict.get("model_type") != cls.model_type and is_dflash_dict(config_dict):
-            config_dict = fields_from_dflash_dict(config_dict, f"{pretrained_model_name_or_path}/config.json")
-        return config_dict, kwargs
+        """Reads ``config.json`` in any drafter schema (z-lab DFlash and DFlash 2, AdaFlash, speculators, native)
+        with the one reader of `adaflash_hf.schema`, so `AdaFlashConfig.from_pretrained` accepts every checkpoint
+        `AdaFlashDrafter.from_pretrained` does (PEFT reads a base model's config this way when it saves an adapter)."""
+        hub = {key: kwargs.pop(key) for key in HUB_KWARGS if key in kwargs}
+        kwargs.pop("trust_remote_code", None)  # never needed, never honoured: no repository code runs
+        raw, source = read_config_dict(pretrained_model_name_or_path, hub)
+        return fields_from_config_dict(raw, source), kwargs
 
     def validate_architecture(self):
         """Checks that hold for any drafter, independent of the target it is paired with."""
@@ -417,126 +375,23 @@ class AdaptiveLengthHeadConfig(PreTrainedConfig):
     base_drafter: str | None = None
 
 
-# ---------------------------------------------------------------------------------------------- DFlash schema
-
-
-def is_dflash_dict(raw: dict) -> bool:
-    architectures = raw.get("architectures") or []
-    return (
-        DFLASH_ARCHITECTURE in architectures
-        or DFLASH2_ARCHITECTURE in architectures
-        or isinstance(raw.get("dflash_config"), dict)
-    )
-
-
-def fields_from_dflash_dict(raw: dict, source: str) -> dict:
-    missing = [key for key in _REQUIRED_KEYS if key not in raw]
-    dflash = raw.get("dflash_config")
-    if not isinstance(dflash, dict):
-        missing.append("dflash_config")
-        dflash = {}
-    elif "mask_token_id" not in dflash:
-        missing.append("dflash_config.mask_token_id")
-    if "block_size" not in raw and "block_size" not in dflash:
-        missing.append("block_size")
-    if missing:
-        raise CheckpointError(
-            f"{source} lacks required key(s) {missing}; an official DFlash config has them "
-            "(see docs/algorithm.md §2.1). Re-export the drafter with save_pretrained or add the keys."
-        )
-    fields = {key: raw[key] for key in _GEOMETRY_KEYS if key in raw}
-    fields["rope_parameters"] = _rope_parameters(raw)
-    if raw.get("use_sliding_window"):
-        fields["sliding_window"] = raw.get("sliding_window")
-    fields["block_size"] = dflash.get("block_size", raw.get("block_size"))
-    fields["mask_token_id"] = dflash["mask_token_id"]
-    layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-    if layer_ids is not None:
-        fields["target_layer_ids"] = layer_ids
-    num_target_layers = dflash.get("num_target_layers", raw.get("num_target_layers"))
-    if num_target_layers is not None:
-        fields["num_target_layers"] = num_target_layers
-    elif layer_ids is None:
-        raise CheckpointError(f"{source} needs 'num_target_layers' or dflash_config.target_layer_ids")
-    else:
-        fields["num_target_layers"] = max(layer_ids) + 1
-    for key, field in _HEAD_KEYS.items():
-        if key in dflash:
-            fields[field] = dflash[key]
-    if DFLASH2_ARCHITECTURE in (raw.get("architectures") or []) or any(key in dflash for key in DFLASH2_KEYS):
-        fields["drafter_type"] = "dflash2"
-        fields.update({key: dflash[key] for key in DFLASH2_KEYS if key in dflash})
-        check_logit_transforms(dflash, source)
-    for key in UNSUPPORTED_HEADS:
-        if dflash.get(key):
-            warnings.warn(
-                f"{source}: {key} is a legacy AdaFlash head that adaflash_hf does not use; ignored.", stacklevel=3
-            )
-    fields.update({k: v for k, v in (raw.get("adaflash_config") or {}).items() if k in ADAFLASH_KEYS})
-    return fields
-
-
-def check_logit_transforms(settings: dict, source: str) -> None:
-    """Refuses the z-lab DFlash 2 unary-logit scalings (``output_multiplier``, ``final_logit_softcapping``) this
-    library does not apply: drafting without them would propose from other logits than the checkpoint's."""
-    found = {
-        k: settings[k] for k, default in _UNSUPPORTED_LOGIT_TRANSFORMS.items() if settings.get(k, default) != default
-    }
-    if found:
-        raise CheckpointError(
-            f"{source} scales the drafter's logits ({found}), which adaflash_hf does not implement; serve this "
-            "drafter with SGLang, or remove the settings if the drafter was trained without them."
-        )
-
-
-def _rope_parameters(raw: dict) -> dict | None:
-    if raw.get("rope_parameters"):
-        return dict(raw["rope_parameters"])
-    if "rope_theta" not in raw:
-        return None
-    rope = dict(raw.get("rope_scaling") or {"rope_type": "default"})
-    rope.setdefault("rope_type", rope.pop("type", "default"))
-    rope["rope_theta"] = raw["rope_theta"]
-    return rope
-
-
-def config_to_dflash_dict(config: AdaFlashConfig) -> dict:
-    """The official DFlash `config.json` dict for `config` (inverse of `config_from_dict`)."""
-    native = config.to_dict()
-    dflash2 = config.drafter_type == "dflash2"
-    out = {"architectures": [DFLASH2_ARCHITECTURE if dflash2 else DFLASH_ARCHITECTURE], "model_type": "qwen3"}
-    out.update({key: native[key] for key in _GEOMETRY_KEYS if key in native})
-    rope = dict(native.get("rope_parameters") or {})
-    out["rope_theta"] = rope.pop("rope_theta", config.default_theta)
-    out["rope_scaling"] = None if rope.get("rope_type", "default") == "default" and len(rope) <= 1 else rope
-    out["use_sliding_window"] = config.sliding_window is not None
-    out["sliding_window"] = config.sliding_window
-    out["max_window_layers"] = config.num_hidden_layers
-    out["block_size"] = config.block_size
-    out["num_target_layers"] = config.num_target_layers
-    out["dtype"] = native.get("dtype")
-    dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
-    if dflash2:  # z-lab's DFlash 2 schema: the block size and the DFlash 2 geometry in dflash_config
-        dflash.update({"block_size": config.block_size, **{key: getattr(config, key) for key in DFLASH2_KEYS}})
-        out["is_causal"] = False
-    if config.use_length_head:
-        dflash.update({key: getattr(config, field) for key, field in _HEAD_KEYS.items()})
-    out["dflash_config"] = dflash
-    out["adaflash_config"] = {key: getattr(config, key) for key in ADAFLASH_KEYS}
-    out["transformers_version"] = native.get("transformers_version")
-    return out
+def config_from_dict(raw: dict, source: str = CONFIG_NAME, **overrides) -> AdaFlashConfig:
+    """An `AdaFlashConfig` from a ``config.json`` dict of any drafter schema, with ``overrides`` applied before
+    validation; a value the config refuses is a `CheckpointError` naming the file."""
+    fields = {**fields_from_config_dict(raw, source), **overrides}
+    try:
+        return AdaFlashConfig(**fields)
+    except Exception as error:  # strict dataclass validation: wrong types or values
+        raise CheckpointError(f"{source} is malformed: {root_message(error)}") from error
 
 
 __all__ = [
     "AdaFlashConfig",
     "AdaptiveLengthHeadConfig",
-    "CheckpointError",
     "LENGTH_POLICIES",
     "build_target_layer_ids",
+    "config_from_dict",
     "dflash2_problems",
-    "config_to_dflash_dict",
     "draft_vocab_problems",
     "length_policy_problems",
-    "fields_from_dflash_dict",
-    "is_dflash_dict",
 ]

@@ -1,4 +1,4 @@
-"""Checkpoint formats: official z-lab DFlash, AdaFlash, and ours; validation with one clear error each.
+"""Drafter checkpoint files: checked before a load, converted for a save; one clear error each.
 
 Formats (docs/algorithm.md §2):
 
@@ -27,6 +27,11 @@ fields (and ``block_size``) in ``dflash_config``; SGLang reads it. All formats u
 (docs/algorithm.md §2.3, plus ``layers.*.{attention,mlp}_conv.*`` and ``candidate_selector.*`` for DFlash 2), stored
 as safetensors. Pickled weights are refused, and no file of a repository is ever executed (the
 ``auto_map``/``dflash.py`` of z-lab repos is ignored).
+
+The ``config.json`` schemas themselves, and `CheckpointError`, are `adaflash_hf.schema`'s. Loading and saving are
+transformers' own (`AdaFlashDrafter.from_pretrained` and ``save_pretrained`` call ``super()``): this module checks a
+checkpoint before the one load (`DrafterCheckpoint`) and converts a save to its format around the one save
+(`save_keywords`, `staged_save`, `write_format_files`).
 """
 
 from __future__ import annotations
@@ -35,43 +40,39 @@ import json
 import math
 import os
 import struct
-import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
-from transformers import AutoConfig, PreTrainedModel
-from transformers.utils.hub import cached_file
+from transformers import PreTrainedModel
 
-from .configuration import (
-    _GEOMETRY_KEYS,
+from .configuration import AdaFlashConfig, AdaptiveLengthHeadConfig, config_from_dict, draft_vocab_problems
+from .schema import (
     ADAFLASH_KEYS,
-    DFLASH2_KEYS,
-    DFLASH_ARCHITECTURE,
+    CONFIG_NAME,
+    HUB_KWARGS,
     UNSUPPORTED_HEADS,
-    AdaFlashConfig,
-    AdaptiveLengthHeadConfig,
     CheckpointError,
-    check_logit_transforms,
     config_to_dflash_dict,
-    draft_vocab_problems,
-    fields_from_dflash_dict,
-    is_dflash_dict,
+    config_to_speculators_dict,
+    read_config_dict,
+    read_json,
+    resolve_file,
+    root_message,
 )
-from .dflash2 import DFLASH2_ARCHITECTURE
 from .utils import atomic_directory
 
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
-HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder", "proxies")
 _FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # safetensors dtypes a drafter checkpoint may hold
 # speculators' draft-vocabulary maps, the only non-float tensors a drafter checkpoint may hold
 _INDEX_TENSORS = {"t2d": {"BOOL": 1}, "d2t": {"I64": 8, "I32": 4}}
-# Tensors of a speculators checkpoint that the verifier supplies (or that `load_drafter` reads itself): never loaded as
-# drafter weights.
+# Tensors of a speculators checkpoint that the verifier supplies (or that `DrafterCheckpoint` reads itself): never
+# loaded as drafter weights.
 SPECULATORS_EXTRAS = (
     "embed_tokens.weight",
     "lm_head.weight",
@@ -84,228 +85,29 @@ SAVE_FORMATS = ("dflash", "adaflash", "speculators")
 LENGTH_HEAD_FOLDER = "length_head"
 
 
-# ---------------------------------------------------------------------------------------------- config schema
-
-
-def config_from_dict(raw: dict, source: str = "config.json", **overrides) -> AdaFlashConfig:
-    """Builds an `AdaFlashConfig` from a z-lab DFlash, AdaFlash or native `config.json` dict."""
-    if raw.get("model_type") == AdaFlashConfig.model_type:
-        fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
-    elif "speculators_model_type" in raw:
-        fields = fields_from_speculators_dict(raw, source)
-    elif is_dflash_dict(raw):
-        fields = fields_from_dflash_dict(raw, source)
-    else:
-        raise CheckpointError(
-            f"{source} is not a DFlash or AdaFlash drafter config (model_type={raw.get('model_type')!r}, "
-            f"architectures={raw.get('architectures')}): a drafter config has model_type 'adaflash', "
-            f"architectures ['{DFLASH_ARCHITECTURE}'] or ['{DFLASH2_ARCHITECTURE}'] with a 'dflash_config' dict, or "
-            "speculators_model_type 'dflash' or 'dflash2'. Is this the target model?"
-        )
-    fields.update(overrides)
-    try:
-        return AdaFlashConfig(**fields)
-    except Exception as error:  # strict dataclass validation: wrong types or values
-        raise CheckpointError(f"{source} is malformed: {_root_message(error)}") from error
-
-
-def fields_from_speculators_dict(raw: dict, source: str) -> dict:
-    """`AdaFlashConfig` fields of a speculators DFlash or DFlash 2 ``config.json`` (the draft vocabulary, stored as
-    tensors, is read by `load_drafter`)."""
-    kind = raw.get("speculators_model_type")
-    if kind not in ("dflash", "dflash2"):
-        raise CheckpointError(
-            f"{source} is a speculators {kind!r} checkpoint; adaflash_hf loads the block drafters 'dflash' and "
-            "'dflash2' only (EAGLE-3 and the other speculators algorithms are other drafter families)."
-        )
-    missing = [
-        key for key in ("transformer_layer_config", "block_size", "aux_hidden_state_layer_ids") if key not in raw
-    ]
-    layer_config = raw.get("transformer_layer_config")
-    if "transformer_layer_config" in raw and not isinstance(layer_config, dict):
-        missing.append("transformer_layer_config (a dict)")
-    if raw.get("mask_token_id") is None:
-        missing.append("mask_token_id")
-    if missing:
-        raise CheckpointError(
-            f"{source} lacks required key(s) {missing}; a speculators DFlash config written by speculators 0.9 has "
-            "them. Add them, or re-save the drafter with save_pretrained(..., save_format='speculators')."
-        )
-    if raw.get("sample_from_anchor"):
-        raise CheckpointError(
-            f"{source} has sample_from_anchor=true (the anchor slot is a draft too); adaflash_hf drafts from slot 1 "
-            "as vLLM and SGLang do for DFlash. Use a drafter trained with sample_from_anchor=false."
-        )
-    try:
-        layers = AutoConfig.for_model(**{"model_type": "qwen3", **layer_config})
-    except Exception as error:  # an unknown model_type or a value its config class rejects
-        raise CheckpointError(f"{source}: transformer_layer_config is malformed: {_root_message(error)}") from error
-    geometry = {key: getattr(layers, key) for key in _GEOMETRY_KEYS if getattr(layers, key, None) is not None}
-    if any(t == "sliding_attention" for t in geometry.get("layer_types") or []):
-        if not raw.get("sliding_window_non_causal", kind == "dflash2"):
-            raise CheckpointError(
-                f"{source} has sliding-window layers with causal masking inside the block "
-                "(sliding_window_non_causal=false), which adaflash_hf does not implement (its blocks are "
-                "bidirectional, as in DFlash)."
-            )
-    aux = raw["aux_hidden_state_layer_ids"]
-    if not isinstance(aux, list) or not aux or any(not isinstance(i, int) or i < 1 for i in aux):
-        raise CheckpointError(
-            f"{source}: aux_hidden_state_layer_ids={aux!r} must be a non-empty list of target hidden-state indices "
-            ">= 1 (index 0, the embedding output, is not a layer the drafter can read)."
-        )
-    fields = {
-        **geometry,
-        "rope_parameters": _rope_from(layers),
-        "sliding_window": getattr(layers, "sliding_window", None),
-        "block_size": raw["block_size"],
-        "mask_token_id": raw["mask_token_id"],
-        "target_layer_ids": [i - 1 for i in aux],
-        "num_target_layers": raw.get("num_target_layers") or max(aux),
-        "drafter_type": kind,
-    }
-    verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
-    if verifier.get("name_or_path"):
-        fields["target_model"] = verifier["name_or_path"]
-    if kind == "dflash2":
-        fields.update({key: raw[key] for key in DFLASH2_KEYS if key in raw})
-        check_logit_transforms(raw, source)
-    fields.update({k: v for k, v in (raw.get("adaflash_config") or {}).items() if k in ADAFLASH_KEYS})
-    if fields.get("length_policy") == "adaptive":
-        del fields["length_policy"]  # the head lives in length_head/; attaching it makes the policy adaptive again
-    return fields
-
-
-def _rope_from(layers) -> dict | None:
-    rope = getattr(layers, "rope_parameters", None)
-    return dict(rope) if rope else None
-
-
-def config_to_speculators_dict(config: AdaFlashConfig) -> dict:
-    """The speculators 0.9 ``config.json`` dict of a drafter (the inverse of `fields_from_speculators_dict`)."""
-    dflash2 = config.drafter_type == "dflash2"
-    native = config.to_dict()
-    layers = {key: native[key] for key in _GEOMETRY_KEYS if key in native}
-    layers.update(
-        model_type="qwen3",
-        rope_parameters=native.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.default_theta},
-        sliding_window=config.sliding_window,
-        use_sliding_window=config.sliding_window is not None,
-        max_window_layers=config.num_hidden_layers,
-    )
-    vocab = len(config.draft_vocab) if config.draft_vocab is not None else config.vocab_size
-    out = {
-        "architectures": [DFLASH2_ARCHITECTURE if dflash2 else DFLASH_ARCHITECTURE],
-        "speculators_model_type": config.drafter_type,
-        "speculators_version": "0.9.0",
-        "speculators_config": {
-            "algorithm": config.drafter_type,
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": config.block_size - 1,
-                    "accept_tolerance": 0.0,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": config.target_model, "architectures": []},
-        },
-        "transformer_layer_config": layers,
-        "draft_vocab_size": vocab,
-        "block_size": config.block_size,
-        "target_hidden_size": None,
-        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
-        "mask_token_id": config.mask_token_id,
-        "sliding_window_non_causal": True,
-        "sample_from_anchor": False,
-        # speculators keeps keys it does not know (pydantic extra="allow"); these two round-trip our settings
-        "num_target_layers": config.num_target_layers,
-        "adaflash_config": {key: getattr(config, key) for key in ADAFLASH_KEYS if key != "draft_vocab"},
-        "dtype": native.get("dtype"),
-        "transformers_version": native.get("transformers_version"),
-    }
-    if dflash2:
-        out.update({key: getattr(config, key) for key in DFLASH2_KEYS})
-    return out
-
-
-def _root_message(error: BaseException) -> str:
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return str(error).strip().splitlines()[-1]
-
-
 # ---------------------------------------------------------------------------------------------- files
-
-
-def _resolve(path_or_repo_id, filename: str, hub_kwargs: dict, required: bool = True) -> str | None:
-    try:
-        path = cached_file(
-            path_or_repo_id,
-            filename,
-            _raise_exceptions_for_missing_entries=required,
-            _raise_exceptions_for_connection_errors=required,
-            **hub_kwargs,
-        )
-    except OSError as error:
-        if not required:
-            return None
-        raise CheckpointError(f"Cannot find {filename} for {path_or_repo_id!r}: {error}") from error
-    if path is None and required:
-        # transformers' cached_file answers None, not an error, for a file missing from a local folder
-        raise CheckpointError(
-            f"{path_or_repo_id} has no {filename}. A drafter checkpoint folder holds config.json and "
-            "model.safetensors (what save_pretrained writes); pass that folder, or a Hub repo id."
-        )
-    if path is not None and os.path.isdir(path_or_repo_id):
-        _check_inside(path, path_or_repo_id)
-    return path
-
-
-def _check_inside(path: str, directory) -> None:
-    """A local checkpoint's files must lie in its folder: a symlink out of it would load whatever it points at. The
-    Hub cache's own layout, ``snapshots/<revision>/<file> -> ../../blobs/<hash>``, is the one exception."""
-    real, root = Path(path).resolve(), Path(directory).resolve()
-    blobs = root.parent.parent / "blobs"
-    if not (real.is_relative_to(root) or (root.parent.name == "snapshots" and real.is_relative_to(blobs))):
-        raise CheckpointError(
-            f"{path} leads outside the checkpoint folder {directory} (to {real}); copy the file into the folder "
-            "if it is meant to be part of the checkpoint."
-        )
 
 
 def resolve_weight_files(path_or_repo_id, hub_kwargs: dict) -> list[str]:
     """Paths of the safetensors weight files; refuses pickled weights."""
-    single = _resolve(path_or_repo_id, WEIGHTS_NAME, hub_kwargs, required=False)
+    single = resolve_file(path_or_repo_id, WEIGHTS_NAME, hub_kwargs, required=False)
     if single is not None:
         return [single]
-    index = _resolve(path_or_repo_id, WEIGHTS_INDEX_NAME, hub_kwargs, required=False)
+    index = resolve_file(path_or_repo_id, WEIGHTS_INDEX_NAME, hub_kwargs, required=False)
     if index is not None:
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index} has no 'weight_map' of tensor names to shard files; the index is corrupt.")
         shards = sorted(set(weight_map.values()))
-        return [_resolve(path_or_repo_id, shard, hub_kwargs) for shard in shards]
+        return [resolve_file(path_or_repo_id, shard, hub_kwargs) for shard in shards]
     for name in PICKLED_WEIGHTS:
-        if _resolve(path_or_repo_id, name, hub_kwargs, required=False) is not None:
+        if resolve_file(path_or_repo_id, name, hub_kwargs, required=False) is not None:
             raise CheckpointError(
                 f"{path_or_repo_id!r} only has pickled weights ({name}). adaflash_hf loads safetensors only, because "
                 "unpickling can execute arbitrary code. Convert it once in a trusted environment: "
                 "`AdaFlashDrafter(config).load_state_dict(torch.load(path, weights_only=True))` then save_pretrained."
             )
     raise CheckpointError(f"{path_or_repo_id!r} has no {WEIGHTS_NAME} (or sharded safetensors) weights.")
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            raw = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error}); the file is corrupt or truncated.") from error
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object; the file is corrupt.")
-    return raw
 
 
 def read_safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -402,7 +204,73 @@ def check_weights(
         raise CheckpointError(f"{source} does not match its config: " + "; ".join(problems))
 
 
-# ---------------------------------------------------------------------------------------------- load / save
+# ---------------------------------------------------------------------------------------------- load
+
+
+@dataclass
+class DrafterCheckpoint:
+    """A drafter checkpoint checked before `AdaFlashDrafter.from_pretrained` loads it through transformers: the config
+    to build the drafter with, the keywords for the one load, and what the load does after it (a speculators
+    checkpoint's length head, saved beside it)."""
+
+    path_or_repo_id: str | os.PathLike
+    config: AdaFlashConfig
+    hub: dict
+    load_kwargs: dict
+    attach_saved_length_head: bool = False
+    length_head_policy: str | None = None  # the policy the saved length head is attached with
+
+    @classmethod
+    def check(cls, model_class, path_or_repo_id, kwargs: dict) -> DrafterCheckpoint:
+        """Reads the checkpoint's config (``config.json``, unless ``kwargs`` holds a ``config``; config fields in
+        ``kwargs`` override it) and checks its weight files against it: safetensors only, complete, inside the
+        checkpoint, and exactly the tensors a ``model_class`` drafter of that config has. Nothing is loaded yet."""
+        kwargs = dict(kwargs)
+        config = kwargs.pop("config", None)
+        kwargs.pop("trust_remote_code", None)  # never needed, never honoured: no repository code runs
+        hub, overrides, load_kwargs = _split_kwargs(kwargs)
+        source = str(path_or_repo_id)
+        raw: dict = {}
+        if config is None:
+            raw, config_source = read_config_dict(path_or_repo_id, hub)
+            config = config_from_dict(raw, config_source, **overrides)
+        elif not isinstance(config, AdaFlashConfig):
+            raise CheckpointError(
+                f"config must be an AdaFlashConfig, got a {type(config).__name__}: pass an AdaFlashConfig, or no "
+                "config to read the checkpoint's own"
+            )
+        speculators = "speculators_model_type" in raw
+        files = resolve_weight_files(path_or_repo_id, hub)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path in files:
+            shapes.update(read_safetensors_shapes(path))
+        if speculators:
+            _speculators_vocab(config, files, shapes, raw.get("draft_vocab_size"), source)
+        check_weights(
+            _shape_model(model_class, config), shapes, source, ignored=SPECULATORS_EXTRAS if speculators else ()
+        )
+        saved_policy = (raw.get("adaflash_config") or {}).get("length_policy")
+        return cls(
+            path_or_repo_id,
+            config,
+            hub,
+            load_kwargs,
+            attach_saved_length_head=speculators and not config.use_length_head,
+            length_head_policy=overrides.get("length_policy", saved_policy),
+        )
+
+    def from_pretrained_kwargs(self) -> dict:
+        """The keywords of the one `PreTrainedModel.from_pretrained` call: the checked config, safetensors only, the
+        Hub keywords and the caller's loading keywords (``dtype``, ``device_map``, ...)."""
+        return {"config": self.config, "use_safetensors": True, **self.hub, **self.load_kwargs}
+
+    def finish(self, model):
+        """What the load does after the weights: the drafter remembers where it came from, and a speculators
+        checkpoint's length head, saved beside it in ``length_head/``, is attached."""
+        model.config.name_or_path = str(self.path_or_repo_id)
+        if self.attach_saved_length_head:
+            _attach_saved_length_head(model, self.path_or_repo_id, self.hub, self.length_head_policy)
+        return model
 
 
 def _split_kwargs(kwargs: dict) -> tuple[dict, dict, dict]:
@@ -410,38 +278,6 @@ def _split_kwargs(kwargs: dict) -> tuple[dict, dict, dict]:
     config_fields = set(AdaFlashConfig.__dataclass_fields__) | set(ADAFLASH_KEYS)
     overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in config_fields}
     return hub, overrides, kwargs
-
-
-def load_drafter(cls, path_or_repo_id, *model_args, **kwargs):
-    """`AdaFlashDrafter.from_pretrained`: see its docstring."""
-    config = kwargs.pop("config", None)
-    kwargs.pop("trust_remote_code", None)  # never needed, never honoured: no repository code runs
-    hub, overrides, load_kwargs = _split_kwargs(kwargs)
-    source = str(path_or_repo_id)
-    speculators = False
-    if config is None:
-        raw = _read_json(_resolve(path_or_repo_id, CONFIG_NAME, hub))
-        speculators = "speculators_model_type" in raw
-        config = config_from_dict(raw, f"{source}/{CONFIG_NAME}", **overrides)
-    elif not isinstance(config, AdaFlashConfig):
-        raise CheckpointError(f"config must be an AdaFlashConfig, got {type(config).__name__}")
-    files = resolve_weight_files(path_or_repo_id, hub)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        shapes.update(read_safetensors_shapes(path))
-    if speculators:
-        _speculators_vocab(config, files, shapes, raw.get("draft_vocab_size"), source)
-    check_weights(_shape_model(cls, config), shapes, source, ignored=SPECULATORS_EXTRAS if speculators else ())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*model_type.*")
-        model = PreTrainedModel.from_pretrained.__func__(
-            cls, path_or_repo_id, *model_args, config=config, use_safetensors=True, **hub, **load_kwargs
-        )
-    model.config.name_or_path = source
-    if speculators and not config.use_length_head:
-        saved_policy = (raw.get("adaflash_config") or {}).get("length_policy")
-        _attach_saved_length_head(model, path_or_repo_id, hub, overrides.get("length_policy", saved_policy))
-    return model
 
 
 def _speculators_vocab(config: AdaFlashConfig, files, shapes: dict, draft_vocab_size, source: str) -> None:
@@ -481,7 +317,7 @@ def _attach_saved_length_head(model, path_or_repo_id, hub: dict, policy: str | N
     the length policy it was saved with (attaching a head otherwise makes it ``adaptive``)."""
     folder = f"{hub['subfolder']}/{LENGTH_HEAD_FOLDER}" if hub.get("subfolder") else LENGTH_HEAD_FOLDER
     sub = {**hub, "subfolder": folder}
-    if _resolve(path_or_repo_id, CONFIG_NAME, sub, required=False) is not None:
+    if resolve_file(path_or_repo_id, CONFIG_NAME, sub, required=False) is not None:
         model.load_length_head(path_or_repo_id, **sub)
         if policy is not None:
             model.config.length_policy = policy
@@ -499,41 +335,77 @@ def _shape_model(cls, config: AdaFlashConfig):
         AttributeError,
     ) as error:  # a config that passed validation yet builds nothing
         raise CheckpointError(
-            f"The config cannot build a drafter ({_root_message(error)}): it is malformed."
+            f"The config cannot build a drafter ({root_message(error)}): it is malformed."
         ) from error
 
 
-def save_drafter(model, save_directory, *args, save_format: str = "dflash", target_lm_head=None, **kwargs) -> None:
-    """Writes the checkpoint into a temporary sibling directory, then moves each file into place, the config
-    last, so a reader never sees new weights with an old config or a half-written file."""
+def load_length_head(cls, path_or_repo_id, **kwargs):
+    """`AdaptiveLengthHead.from_pretrained` with the same safetensors-only checks as the drafter."""
+    hub = {key: kwargs.pop(key) for key in HUB_KWARGS if key in kwargs}
+    raw, _ = read_config_dict(path_or_repo_id, hub)
+    if raw.get("model_type") != AdaptiveLengthHeadConfig.model_type:
+        raise CheckpointError(
+            f"{path_or_repo_id!r} is not a length head (model_type={raw.get('model_type')!r}); "
+            "save one with AdaptiveLengthHead.save_pretrained or drafter.length_head.save_pretrained"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in resolve_weight_files(path_or_repo_id, hub):
+        shapes.update(read_safetensors_shapes(path))
+    config = AdaptiveLengthHeadConfig.from_dict(raw)
+    check_weights(_shape_model(cls, config), shapes, str(path_or_repo_id))
+    return cls.from_pretrained(path_or_repo_id, config=config, use_safetensors=True, **hub, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- save
+
+
+def save_keywords(model, save_format: str, target_lm_head, kwargs: dict) -> dict:
+    """Checks a save's format and keywords, and returns the keywords of the one `PreTrainedModel.save_pretrained`
+    call: the caller's, with the state dict the format stores when it is not the model's own (speculators')."""
     if save_format not in SAVE_FORMATS:
         raise ValueError(
             f"save_format={save_format!r} must be 'dflash' (the official z-lab schema), 'adaflash' (native) or "
             "'speculators' (the speculators library's, which vLLM serves)"
         )
+    kwargs = dict(kwargs)
     if kwargs.pop("push_to_hub", False):
         raise ValueError("Use drafter.push_to_hub(repo_id): it also renders the model card.")
+    if save_format == "speculators":
+        kwargs["state_dict"] = _speculators_state_dict(model, kwargs.get("state_dict"), target_lm_head)
+    return kwargs
+
+
+@contextmanager
+def staged_save(save_directory) -> Iterator[Path]:
+    """A staging folder for one save: when the block succeeds, its files replace those of ``save_directory``, the
+    config last, so a reader never sees new weights with an old config or a half-written file; weight shards of a
+    previous, differently sharded save are removed. When the block raises, ``save_directory`` is untouched."""
     target = Path(save_directory)
     with atomic_directory(target, merge=True, last=(CONFIG_NAME,)) as staging:
-        if save_format == "speculators":
-            _save_speculators(model, staging, target_lm_head)
-        else:
-            model._save_pretrained_native(staging, *args, **kwargs)
-        if save_format == "dflash":
-            config_dict = config_to_dflash_dict(model.config)
-            (staging / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-        for stale in target.glob("model*.safetensors*"):  # shards of a previous, differently sharded save
+        yield staging
+        for stale in target.glob("model*.safetensors*"):
             if not (staging / stale.name).exists():
                 stale.unlink()
 
 
-def _save_speculators(model, staging: Path, target_lm_head) -> None:
-    """speculators' layout: the drafter's tensors (a reduced vocabulary adds ``t2d``, ``d2t`` and the head's rows
-    as ``lm_head.weight``, which speculators requires) and its config; the length head in ``length_head/``."""
+def write_format_files(model, staging: Path, save_format: str) -> None:
+    """Turns the native checkpoint transformers wrote into ``staging`` into ``save_format``'s: its ``config.json``
+    in that schema and, for speculators, which has no place for it, the length head in ``length_head/``."""
+    if save_format == "adaflash":
+        return
+    convert = config_to_speculators_dict if save_format == "speculators" else config_to_dflash_dict
+    (staging / CONFIG_NAME).write_text(json.dumps(convert(model.config), indent=2, sort_keys=True) + "\n")
+    if save_format == "speculators" and model.thresh_head_two_model is not None:
+        model.thresh_head_two_model.save_pretrained(staging / LENGTH_HEAD_FOLDER)
+
+
+def _speculators_state_dict(model, state_dict: dict | None, target_lm_head) -> dict:
+    """speculators' tensors: the drafter's without the length head (saved beside it); a reduced vocabulary adds
+    ``t2d``, ``d2t`` and the LM head's rows as ``lm_head.weight``, which speculators requires."""
     config = model.config
     state = {
-        name: tensor.detach().contiguous().cpu()
-        for name, tensor in model.state_dict().items()
+        name: tensor
+        for name, tensor in (state_dict if state_dict is not None else model.state_dict()).items()
         if not name.startswith("thresh_head_two_model.")
     }
     if config.draft_vocab is not None:
@@ -552,37 +424,15 @@ def _save_speculators(model, staging: Path, target_lm_head) -> None:
         state["lm_head.weight"] = weight.index_select(0, ids.to(weight.device)).to(model.fc.weight.dtype).cpu()
         state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
         state["d2t"] = ids - torch.arange(len(ids))
-    save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
-    (staging / CONFIG_NAME).write_text(json.dumps(config_to_speculators_dict(config), indent=2, sort_keys=True) + "\n")
-    if model.thresh_head_two_model is not None:
-        model.thresh_head_two_model.save_pretrained(staging / LENGTH_HEAD_FOLDER)
-
-
-def load_length_head(cls, path_or_repo_id, **kwargs):
-    """`AdaptiveLengthHead.from_pretrained` with the same safetensors-only checks as the drafter."""
-    hub = {key: kwargs.pop(key) for key in HUB_KWARGS if key in kwargs}
-    raw = _read_json(_resolve(path_or_repo_id, CONFIG_NAME, hub))
-    if raw.get("model_type") != AdaptiveLengthHeadConfig.model_type:
-        raise CheckpointError(
-            f"{path_or_repo_id!r} is not a length head (model_type={raw.get('model_type')!r}); "
-            "save one with AdaptiveLengthHead.save_pretrained or drafter.length_head.save_pretrained"
-        )
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in resolve_weight_files(path_or_repo_id, hub):
-        shapes.update(read_safetensors_shapes(path))
-    config = AdaptiveLengthHeadConfig.from_dict(raw)
-    check_weights(_shape_model(cls, config), shapes, str(path_or_repo_id))
-    return cls.from_pretrained(path_or_repo_id, config=config, use_safetensors=True, **hub, **kwargs)
+    return state
 
 
 __all__ = [
-    "CheckpointError",
-    "config_from_dict",
-    "config_to_dflash_dict",
-    "config_to_speculators_dict",
-    "fields_from_speculators_dict",
-    "load_drafter",
+    "DrafterCheckpoint",
+    "check_weights",
     "load_length_head",
     "read_safetensors_shapes",
-    "save_drafter",
+    "save_keywords",
+    "staged_save",
+    "write_format_files",
 ]

@@ -27,10 +27,11 @@ from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant 
     MuseGlimmerAssistantRotaryEmbedding as DFlashRotaryEmbedding,
 )
 
-from .configuration import DFLASH2_KEYS, AdaFlashConfig, AdaptiveLengthHeadConfig
+from .configuration import AdaFlashConfig, AdaptiveLengthHeadConfig
 from .dflash2 import CandidateSelector, DFlash2DecoderLayer, GroupedDynamicConv
-from .formats import load_drafter, load_length_head, save_drafter
+from .formats import DrafterCheckpoint, load_length_head, save_keywords, staged_save, write_format_files
 from .hub import push_drafter_to_hub, push_length_head_to_hub
+from .schema import DFLASH2_KEYS
 
 
 class AdaptiveLengthHead(PreTrainedModel):
@@ -118,7 +119,8 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
 
     It has no embeddings and no LM head: callers embed the block with the target's input embeddings and project
     `last_hidden_state` with the target's output embeddings. Load any official z-lab DFlash or AdaFlash checkpoint,
-    or one of ours, with `AdaFlashDrafter.from_pretrained(path_or_repo_id)` (see `adaflash_hf.formats`).
+    or one of ours, with `AdaFlashDrafter.from_pretrained(path_or_repo_id)` (see `adaflash_hf.schema` and
+    `adaflash_hf.formats`).
     """
 
     # Duck-typed marker read by the generate() routing: it survives PEFT wrapping, `isinstance` does not.
@@ -364,19 +366,30 @@ class AdaFlashDrafter(AdaFlashPreTrainedModel):
         Never executes code from the repository and never unpickles (safetensors only). Accepts the usual
         `from_pretrained` keywords (`dtype`, `device_map`, `revision`, `token`, `cache_dir`, `local_files_only`)
         plus config overrides (e.g. `length_policy="confidence"`).
-        """
-        return load_drafter(cls, pretrained_model_name_or_path, *model_args, **kwargs)
 
-    def save_pretrained(self, save_directory, *args, save_format: str = "dflash", **kwargs):
+        The checkpoint is checked first (`formats.DrafterCheckpoint`: its config in any schema, its weight files
+        against that config), then loaded once by transformers' own `from_pretrained` with the checked config.
+        """
+        checkpoint = DrafterCheckpoint.check(cls, pretrained_model_name_or_path, kwargs)
+        model = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, **checkpoint.from_pretrained_kwargs()
+        )
+        return checkpoint.finish(model)
+
+    def save_pretrained(self, save_directory, *args, save_format: str = "dflash", target_lm_head=None, **kwargs):
         """Saves atomically in the official DFlash schema (`save_format="dflash"`, read by SGLang, vLLM and
         z-lab code; z-lab's DFlash 2 schema for a DFlash 2 drafter), in the native schema (`save_format="adaflash"`,
         read by `AutoModel` after `import adaflash_hf`) or in the `speculators` library's (`save_format=
         "speculators"`, which vLLM serves; its length head goes to `length_head/` beside it, and a reduced draft
-        vocabulary needs `target_lm_head=target.get_output_embeddings()`). All use the official tensor names."""
-        return save_drafter(self, save_directory, *args, save_format=save_format, **kwargs)
+        vocabulary needs `target_lm_head=target.get_output_embeddings()`). All use the official tensor names.
 
-    def _save_pretrained_native(self, save_directory, *args, **kwargs):
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        transformers' own `save_pretrained` writes the checkpoint (keywords such as `max_shard_size` work as
+        usual); `formats.write_format_files` then converts it to the format, before it replaces the folder's
+        content."""
+        kwargs = save_keywords(self, save_format, target_lm_head, kwargs)
+        with staged_save(save_directory) as staging:
+            super().save_pretrained(staging, *args, **kwargs)
+            write_format_files(self, staging, save_format)
 
     def push_to_hub(self, repo_id: str, *, card_data: dict | None = None, **kwargs):
         """Saves, renders a model card from `adaflash_hf/templates/drafter.md` and uploads (see `adaflash_hf.hub`)."""

@@ -144,6 +144,10 @@ def test_speculators_layouts_load(tmp_path, kind):
     # the diff dict's absent fields take Qwen3Config's defaults
     assert drafter.config.rms_norm_eps == 1e-6 and drafter.config.hidden_act == "silu"
     _assert_loaded(drafter, tensors)
+    # the config class reads the file with the same reader and schema mapping (PEFT reads a base model's config so)
+    read = AdaFlashConfig.from_pretrained(tmp_path)
+    loaded = {key: value for key, value in drafter.config.to_diff_dict().items() if key != "dtype"}
+    assert read.to_diff_dict() == loaded
 
 
 def test_a_dflash_checkpoint_loaded_as_dflash2_names_to_dflash2(tmp_path):
@@ -180,6 +184,15 @@ def test_every_format_round_trips_bit_exact(tmp_path, save_format, drafter_type,
     elif save_format == "dflash":
         raw = json.loads((tmp_path / "config.json").read_text())
         assert raw["architectures"] == ["DFlash2DraftModel" if drafter_type == "dflash2" else "DFlashDraftModel"]
+
+
+@pytest.mark.parametrize("save_format", ["dflash", "speculators"])
+def test_a_format_save_takes_transformers_save_keywords(tmp_path, save_format):
+    # every format is transformers' own save plus a conversion, so its keywords (sharding here) work in each
+    drafter = tiny_drafter(tiny_target(), use_length_head=True, length_head_bottleneck_dim=32)
+    drafter.save_pretrained(tmp_path, save_format=save_format, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
+    _assert_loaded(AdaFlashDrafter.from_pretrained(tmp_path), drafter.state_dict())
 
 
 def test_speculators_draft_vocabulary_round_trips_as_t2d_and_d2t(tmp_path):

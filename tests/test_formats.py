@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
 from adaflash_hf import AdaFlashConfig, AdaFlashDrafter, AdaptiveLengthHead, CheckpointError, build_target_layer_ids
-from adaflash_hf.formats import config_from_dict, config_to_dflash_dict
+from adaflash_hf.configuration import config_from_dict
+from adaflash_hf.schema import config_to_dflash_dict
 
 
 def _state_equal(model, tensors):

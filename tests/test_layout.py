@@ -64,8 +64,14 @@ def test_formats_reads_only_the_configuration():
     assert {m for m in _graph()["adaflash_hf.formats"]} <= {
         "adaflash_hf.configuration",
         "adaflash_hf.dflash2",
+        "adaflash_hf.schema",
         "adaflash_hf.utils",
     }
+
+
+def test_the_schema_is_below_configuration_and_formats():
+    # both build on it, so it imports neither (nor anything of the library but the DFlash 2 constants)
+    assert {m for m in _graph()["adaflash_hf.schema"]} <= {"adaflash_hf.dflash2"}
 
 
 def test_the_library_never_imports_the_demo():

@@ -30,8 +30,8 @@ from peft.utils.hotswap import hotswap_adapter
 from transformers import GenerationConfig
 
 from ..generation.stats import record_stats
+from ..generation.stopping import cut_after_eos
 from ..modeling import AdaFlashDrafter
-from ..training.rollouts import cut_after_eos
 from .buffer import SampleBuffer, check_domain
 from .config import OnlineConfig
 from .metrics import MetricsLog

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..chat import render_prompt
+from ..generation.stopping import cut_after_eos
 from ..utils import atomic_directory
 
 PROMPT_COLUMNS = ("prompt", "messages", "prompt_ids")
@@ -126,14 +127,6 @@ def generate_completions(
         )
         completions += [cut_after_eos(new_tokens, generation_config) for new_tokens in output[:, width:].tolist()]
     return completions
-
-
-def cut_after_eos(new_tokens: list[int], generation_config: GenerationConfig) -> list[int]:
-    """A row's generated ids up to and including its first end-of-sequence token (the padding after it dropped)."""
-    eos = generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    end = next((i for i, token in enumerate(new_tokens) if token in eos_ids), None)
-    return new_tokens if end is None else new_tokens[: end + 1]
 
 
 def rollout_generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:

@@ -22,7 +22,7 @@ import torch
 from transformers import GenerationConfig
 
 from adaflash_hf.generation.stats import record_stats
-from adaflash_hf.training.rollouts import cut_after_eos
+from adaflash_hf.generation.stopping import cut_after_eos
 
 METHODS = (
     "plain",
