@@ -25,18 +25,17 @@ refused by `checks.check_call` before anything runs.
 from __future__ import annotations
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import TargetCache
 from .candidate_generator import AdaFlashCandidateGenerator
 from .checks import check_call
-from .length_policy import PolicyPlan
 from .options import AdaFlashGenerationOptions
-from .planner import VerificationPlanner
+from .planner import step_plan
 from .processing import process_positions
 from .profile import profile_for
 from .stats import CallRecorder
+from .stopping import StopRule
 from .tree import TreeVerifier
 from .verifiers import History, LinearVerifier, TargetForward
 from .verify_layout import VerifyLayout
@@ -88,9 +87,7 @@ class SpeculativeDecoding:
         self.stopped_at = torch.full((batch,), -1, dtype=torch.long, device=input_ids.device)
         eos = generation_config._eos_token_tensor
         self.eos = None if eos is None else eos.to(input_ids.device).flatten()
-        self.extra_criteria = StoppingCriteriaList(
-            [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-        )
+        self.stop_rule = StopRule(self.eos, stopping_criteria, self.max_new_tokens)
         keep = generation_config.return_dict_in_generate
         self.scores = [[] for _ in range(batch)] if keep and generation_config.output_scores else None
         self.raw_logits = [[] for _ in range(batch)] if keep and generation_config.output_logits else None
@@ -104,17 +101,7 @@ class SpeculativeDecoding:
         self.recorder = CallRecorder(batch, input_ids.device)
 
         dtype = next(target.parameters()).dtype
-        if options.length_policy.length_policy == "planned":
-            self.plan = VerificationPlanner(
-                profile.cost_table(input_ids.device, dtype),
-                self.generator.block_size,
-                batch,
-                input_ids.device,
-                length_head=bool(drafter.config.use_length_head),
-                lock=profile.lock,
-            )
-        else:
-            self.plan = PolicyPlan()
+        self.plan = step_plan(options.length_policy, profile, drafter.config, batch, input_ids.device, dtype)
         layout = VerifyLayout(target, options.verify_layout, profile)
         features = self.generator.context_features
         forward = TargetForward(
@@ -241,7 +228,16 @@ class SpeculativeDecoding:
         counts committed. Rows leave the batch once no output needs them any more.
         """
         rows = self.active
-        counts, stops = self._stop_points(tokens, counts)
+        counts, stops = self.stop_rule.cut(
+            self.sequences,
+            self.lengths[rows],
+            self.lengths[rows] - self.prompt_len,
+            rows,
+            tokens,
+            counts,
+            self.stopped_at[rows] < 0,
+            self._limit(),
+        )
         offsets = torch.arange(width, device=tokens.device)
         if features is not None:
             kept = offsets < counts[:, None]  # the anchor and the committed tokens but the last (the next anchor)
@@ -266,48 +262,6 @@ class SpeculativeDecoding:
         if leaving.any():
             self._drop(~leaving)
         return counts
-
-    def _stop_points(self, tokens, counts) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Cuts each row's counts where plain decoding stops it; returns (counts, rows that stop here)."""
-        rows = self.active
-        generated = self.lengths[rows] - self.prompt_len
-        counts = torch.minimum(counts, self._limit() - generated)
-        running = self.stopped_at[rows] < 0
-        stops = running & (generated + counts >= self.max_new_tokens)
-        if self.eos is not None:
-            is_eos = torch.isin(tokens, self.eos) & (
-                torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
-            )
-            hit = is_eos.any(-1) & running
-            counts = torch.where(hit, is_eos.int().argmax(-1) + 1, counts)
-            stops |= hit
-        if len(self.extra_criteria) and bool(running.any()):
-            counts, stops = self._criteria_stops(tokens, counts, stops, running)
-        return counts, stops
-
-    def _criteria_stops(self, tokens, counts, stops, running):
-        """Calls the other stopping criteria (stop strings, max time, custom ones) as plain decoding does: on the
-        whole batch, once per sequence length, so criteria that index rows or keep per-row state see each row at its
-        own index; the first length at which a running row's criterion fires cuts its counts. `counts` already ends
-        at the budget and the first EOS, so the earliest of the three is where each row stops."""
-        rows = self.active
-        ids = self.sequences.clone()
-        new = torch.arange(tokens.shape[1], device=tokens.device)
-        writable = new < counts[:, None]
-        columns = (self.lengths[rows, None] + new).clamp(max=ids.shape[1] - 1)
-        ids[rows[:, None].expand_as(columns)[writable], columns[writable]] = tokens[writable]
-        counts, stops = counts.clone(), stops.clone()
-        first, last = int(self.lengths[rows].min()) + 1, int((self.lengths[rows] + counts).max())
-        for length in range(first, last + 1):
-            # every running row, including those the budget or an EOS already stops in this step: a criterion that
-            # fires before that point stops the row earlier, as it would have stopped plain decoding
-            at = running & (self.lengths[rows] < length) & (length <= self.lengths[rows] + counts)
-            if not bool(at.any()):
-                continue
-            fired = self.extra_criteria(ids[:, :length], None)[rows] & at
-            counts = torch.where(fired, length - self.lengths[rows], counts)
-            stops |= fired
-        return counts, stops
 
     def _drop(self, keep: torch.Tensor) -> None:
         index = keep.nonzero().squeeze(-1)

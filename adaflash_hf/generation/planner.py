@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .length_policy import LengthPolicy, PolicyPlan, StepPlan
+
 EMA = 0.3  # weight of a new timing in the moving averages
 PRIOR_ACCEPTANCE = 0.5  # per-draft acceptance assumed before anything was observed
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the pooled estimate when a row's own are few
@@ -319,3 +321,18 @@ class VerificationPlanner:
         if trials > 0:
             self.table.acceptance = float(self.successes.sum()) / trials
         return seconds
+
+
+def step_plan(policy: LengthPolicy, profile, drafter_config, batch_size: int, device, dtype) -> StepPlan:
+    """The loop's `StepPlan` for a call: the planner for ``planned`` (its table the pair's `RuntimeProfile`'s for this
+    device and dtype), else `PolicyPlan`."""
+    if policy.length_policy != "planned":
+        return PolicyPlan()
+    return VerificationPlanner(
+        profile.cost_table(device, dtype),
+        drafter_config.block_size,
+        batch_size,
+        device,
+        length_head=bool(drafter_config.use_length_head),
+        lock=profile.lock,
+    )
