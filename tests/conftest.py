@@ -3,6 +3,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Runtime profiles stay in memory: tests build many models of identical configs, which would share one profile file
+# (tests/test_profile.py points the folder at a temporary one).
+os.environ.setdefault("ADAFLASH_HF_PROFILE_DIR", "none")
 
 import importlib.util  # noqa: E402
 

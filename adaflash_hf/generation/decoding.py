@@ -99,6 +99,8 @@ class SpeculativeDecoding:
         # Rows stay in the batch as *trailing* rows whenever any of that is visible in the output.
         self.keep_rows = batch > 1 and (self.returns_cache or self.eos is None)
         self.recorder = CallRecorder(batch, input_ids.device)
+        self.recorder.uses(profile)
+        self.profile = profile
 
         dtype = next(target.parameters()).dtype
         self.plan = step_plan(options.length_policy, profile, drafter.config, batch, input_ids.device, dtype)
@@ -121,6 +123,7 @@ class SpeculativeDecoding:
             self.step()
         if self.streamer is not None:
             self.streamer.end()
+        self.profile.save()
         return self.output()
 
     def prefill(self):

@@ -7,18 +7,36 @@ need. A `RuntimeProfile` holds all of it for one pair, behind one lock (several 
 pair), so a later ``generate()`` call starts from what earlier ones measured. `profile_for` finds a pair's profile;
 it lives as long as both models do. `RuntimeProfile.reset` forgets everything (the next call measures again), and
 `RuntimeProfile.to_dict` is what the profile measured, in plain types.
+
+What a process measured, the next one starts from: a profile is kept in a small JSON file per (machine, torch
+version, target config, drafter config) under ``$HF_HOME/adaflash_hf/profiles`` (``ADAFLASH_HF_PROFILE_DIR`` names
+another folder; ``ADAFLASH_HF_PROFILE_DIR=none`` keeps profiles in memory only). The file carries a format version
+and the key it was measured under; one that cannot be read, or was measured elsewhere (copied from another machine,
+another torch), is ignored with one warning and rewritten from this process's measurements. Writes are atomic.
+Step costs keep being averaged as the new process runs, so a profile measured while the machine was busy heals.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import threading
+import time
+import warnings
 import weakref
+from pathlib import Path
 
 import torch
 
+from ..utils import write_json_atomic
 from .measured import MeasuredChoice
 from .planner import CostTable
 
+PROFILE_FORMAT = 1
+PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
+SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
 HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides
 LAYOUT_TRIALS = 2  # timed forwards of each layout per token count (a forward costs about a plain step)
 
@@ -46,6 +64,11 @@ class RuntimeProfile:
         self._cost_tables: dict[tuple[str, str], CostTable] = {}
         # (dtype, vocabulary key) -> (the weight it was made from, its version then, the copy)
         self._head_copies: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self.path: Path | None = None  # the profile file (`attach`); None: in memory only
+        self.key: dict | None = None
+        self.loaded = False  # whether measurements came from the file
+        self._saved: str | None = None
+        self._saved_at = 0.0
 
     def cost_table(self, device: torch.device, dtype: torch.dtype) -> CostTable:
         """The planner's table for steps on ``device`` with a target in ``dtype``."""
@@ -73,20 +96,144 @@ class RuntimeProfile:
             self._head_copies.clear()
 
     def to_dict(self) -> dict:
-        """What was measured, in plain types (step costs in seconds by ``"rows,width"``, decided choices)."""
+        """What was measured, in plain types: step costs by ``"rows,width"`` per ``"device/dtype"``, the decided
+        choices (the form the profile file keeps)."""
         with self.lock:
             return {
                 "cost_tables": {
                     f"{device}/{dtype}": {
                         "step_s": {f"{rows},{width}": s for (rows, width), s in table.step_s.items()},
+                        "drafted_speedup": {str(rows): x for rows, x in table.drafted_speedup.items()},
                         "acceptance": table.acceptance,
                         "head_scale": table.head_scale,
                     }
                     for (device, dtype), table in self._cost_tables.items()
                 },
-                "head_dtypes": {str(key): str(dtype) for key, dtype in self.head_dtypes.choices.items()},
-                "layouts": {str(key): layout for key, layout in self.layouts.choices.items()},
+                "head_dtypes": [
+                    [_plain(key), str(dtype).removeprefix("torch.")] for key, dtype in self.head_dtypes.choices.items()
+                ],
+                "layouts": [[_plain(key), layout] for key, layout in self.layouts.choices.items()],
             }
+
+    def load_dict(self, state: dict) -> None:
+        """Takes the measurements of `to_dict`'s form (a profile file's); raises on a malformed one."""
+        with self.lock:
+            for name, table in state["cost_tables"].items():
+                device, dtype = name.split("/")
+                cost = self._cost_tables.setdefault((device, dtype), CostTable())
+                for key, seconds in table["step_s"].items():
+                    rows, width = key.split(",")
+                    cost.step_s[(int(rows), int(width))] = float(seconds)
+                cost.drafted_speedup.update({int(r): float(x) for r, x in table["drafted_speedup"].items()})
+                cost.acceptance, cost.head_scale = float(table["acceptance"]), float(table["head_scale"])
+            for key, dtype in state["head_dtypes"]:
+                self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
+            for key, layout in state["layouts"]:
+                if layout not in (self.layouts.baseline, self.layouts.candidate):
+                    raise ValueError(f"unknown layout {layout!r}")
+                self.layouts.choices[_hashable(key)] = layout
+
+    # ------------------------------------------------------------------ the profile file
+
+    def attach(self, path: Path, key: dict) -> None:
+        """Keeps this profile in ``path`` (measured under ``key``), starting from what the file holds."""
+        self.path, self.key = path, key
+        if not path.is_file():
+            return
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            if payload.get("format") != PROFILE_FORMAT or payload.get("key") != key:
+                raise ValueError(
+                    f"measured under {payload.get('key')!r} (format {payload.get('format')!r}), not this process's "
+                    f"{key!r} (format {PROFILE_FORMAT})"
+                )
+            self.load_dict(payload["profile"])
+            self.loaded = True
+            self._saved = json.dumps(self.to_dict(), sort_keys=True)
+        except Exception as error:  # noqa: BLE001 - any unreadable file is ignored the same way
+            self.reset()
+            warnings.warn(
+                f"adaflash_hf: ignoring the runtime profile {path} ({type(error).__name__}: {error}); it will be "
+                "measured again and rewritten.",
+                stacklevel=2,
+            )
+
+    def save(self, force: bool = False) -> bool:
+        """Writes the profile file when something changed: a new decision at once, cost tables at most every
+        `SAVE_INTERVAL_S`. Returns whether it wrote."""
+        if getattr(self, "path", None) is None:
+            return False
+        with self.lock:
+            state = self.to_dict()
+            text = json.dumps(state, sort_keys=True)
+            if text == self._saved:
+                return False
+            decided = self._saved is None or _decisions(state) != _decisions(json.loads(self._saved))
+            if not (force or decided or time.monotonic() - self._saved_at >= SAVE_INTERVAL_S):
+                return False
+            try:
+                write_json_atomic(self.path, {"format": PROFILE_FORMAT, "key": self.key, "profile": state}, indent=1)
+            except OSError as error:  # a read-only cache folder must not fail generation
+                warnings.warn(f"adaflash_hf: could not write the runtime profile {self.path}: {error}", stacklevel=2)
+                self.path = None
+                return False
+            self._saved, self._saved_at = text, time.monotonic()
+            return True
+
+
+def _plain(key):
+    """A choice key in JSON's types (tuples as lists)."""
+    return [_plain(k) for k in key] if isinstance(key, tuple) else key
+
+
+def _hashable(key):
+    """`_plain`'s inverse."""
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+def _decisions(state: dict) -> tuple:
+    return json.dumps(state["head_dtypes"], sort_keys=True), json.dumps(state["layouts"], sort_keys=True)
+
+
+def profile_dir() -> Path | None:
+    """Where profile files live (module docstring); ``None``: nowhere."""
+    configured = os.environ.get(PROFILE_DIR_ENV)
+    if configured is not None:
+        return None if configured.strip().lower() in ("", "none", "off", "0") else Path(configured)
+    from huggingface_hub.constants import HF_HOME
+
+    return Path(HF_HOME) / "adaflash_hf" / "profiles"
+
+
+def _config_digest(model) -> str:
+    config = getattr(model, "config", None)
+    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__name__
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def machine_key() -> dict:
+    """What a profile's measurements depend on besides the models: the CPU (its model and flags), the processes'
+    CPUs and torch (its version and threads)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())  # the first processor's
+    except OSError:
+        pass
+    cpu = fields.get("model name") or platform.processor()
+    if "cpu family" in fields:
+        cpu += f" (family {fields['cpu family']} model {fields.get('model', '?')})"
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "cpus": cpus,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def profile_for(target, drafter) -> RuntimeProfile:
@@ -96,4 +243,9 @@ def profile_for(target, drafter) -> RuntimeProfile:
         profile = per_target.get(target)
         if profile is None:
             profile = per_target[target] = RuntimeProfile()
+            folder = profile_dir()
+            if folder is not None:
+                key = {**machine_key(), "target": _config_digest(target), "drafter": _config_digest(drafter)}
+                name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+                profile.attach(folder / f"{name}.json", key)
         return profile

@@ -43,8 +43,14 @@ class StepRecord:
 
 @dataclass
 class CallRecord:
+    """One generate() call: its batch size, its steps, and the runtime profile it used (``profile``: the profile
+    file, ``None`` when profiles are kept in memory only; ``profile_loaded``: whether the call started from the
+    file's measurements, `profile.py`)."""
+
     batch_size: int
     steps: list[StepRecord] = field(default_factory=list)
+    profile: str | None = None
+    profile_loaded: bool = False
 
     def row(self, index: int) -> dict:
         """Per-row figures: verification steps, emitted tokens, mean acceptance length."""
@@ -152,3 +158,9 @@ class CallRecorder:
     def add(self, **record) -> None:
         if self.active:
             self.call.steps.append(StepRecord(**record))
+
+    def uses(self, profile) -> None:
+        """Notes the runtime profile the call uses."""
+        if self.active:
+            self.call.profile = None if profile.path is None else str(profile.path)
+            self.call.profile_loaded = profile.loaded

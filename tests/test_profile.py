@@ -1,0 +1,106 @@
+"""The runtime profile (`generation/profile.py`): one object per (target, drafter) pair holds what the loop measured,
+resettable, and kept in a profile file that a new process starts from; a corrupt or foreign file is ignored with one
+warning and rewritten."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from helpers import tiny_drafter, tiny_target
+from test_generate_batched import PAD, PROMPTS
+from transformers import GenerationConfig
+
+import adaflash_hf
+from adaflash_hf.generation.profile import PROFILE_FORMAT, RuntimeProfile, profile_for
+
+PLANNED = dict(
+    max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=PAD, adaflash_length_policy="planned"
+)
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_HF_PROFILE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _generate(target, drafter, **overrides):
+    config = GenerationConfig(**{**PLANNED, **overrides})
+    with adaflash_hf.record_stats() as stats:
+        out = target.generate(torch.tensor([PROMPTS[0]]), generation_config=config, assistant_model=drafter)
+    return out, stats.calls[0]
+
+
+def test_a_new_process_starts_from_the_file(folder):
+    target = tiny_target()
+    out, call = _generate(target, tiny_drafter(target))
+    files = list(folder.glob("*.json"))
+    assert len(files) == 1 and call.profile == str(files[0]) and not call.profile_loaded
+    payload = json.loads(files[0].read_text())
+    assert payload["format"] == PROFILE_FORMAT and payload["key"]["torch"] == torch.__version__
+    measured = payload["profile"]["cost_tables"]["cpu/torch.float32"]["step_s"]
+    assert "1,1" in measured  # the planner measured a plain step first
+
+    # models of the same configs in a new process (here: new objects) find the file and start from it
+    again = tiny_target()
+    drafter = tiny_drafter(again)
+    profile = profile_for(again, drafter)
+    assert profile.loaded and profile.cost_table(torch.device("cpu"), torch.float32).step_s
+    out_again, call = _generate(again, drafter)
+    assert call.profile_loaded and torch.equal(out, out_again)
+
+
+def test_reset_forgets_every_measurement(folder):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    _generate(target, drafter)
+    profile = profile_for(target, drafter)
+    assert profile.to_dict()["cost_tables"]
+    profile.reset()
+    assert profile.to_dict() == {"cost_tables": {}, "head_dtypes": [], "layouts": []}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        json.dumps({"format": PROFILE_FORMAT, "key": {"machine": "elsewhere"}, "profile": {}}),
+        json.dumps({"format": PROFILE_FORMAT + 1}),
+    ],
+    ids=["corrupt", "foreign", "another format"],
+)
+def test_an_unusable_file_is_ignored_with_one_warning_and_rewritten(folder, content):
+    target = tiny_target()
+    _generate(target, tiny_drafter(target))  # writes the pair's file
+    (path,) = folder.glob("*.json")
+    path.write_text(content)
+    again = tiny_target()
+    drafter = tiny_drafter(again)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, call = _generate(again, drafter)
+    ours = [w for w in caught if "runtime profile" in str(w.message)]
+    assert len(ours) == 1 and "ignoring" in str(ours[0].message) and not call.profile_loaded
+    assert json.loads(path.read_text())["format"] == PROFILE_FORMAT  # rewritten from this process's measurements
+
+
+def test_profiles_stay_in_memory_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_HF_PROFILE_DIR", "none")
+    target = tiny_target()
+    _, call = _generate(target, tiny_drafter(target))
+    assert call.profile is None and list(tmp_path.iterdir()) == []
+
+
+def test_the_file_form_round_trips():
+    profile = RuntimeProfile()
+    profile.cost_table(torch.device("cpu"), torch.float32).observe(3, 2, 0.25)
+    profile.head_dtypes.choices[("cpu", (128, 64), (2, 77))] = torch.bfloat16
+    profile.layouts.choices[3] = "transposed"
+    copy = RuntimeProfile()
+    copy.load_dict(json.loads(json.dumps(profile.to_dict())))
+    assert copy.to_dict() == profile.to_dict()
+    assert (
+        copy.head_dtypes.chosen(("cpu", (128, 64), (2, 77))) is torch.bfloat16
+        and copy.layouts.chosen(3) == "transposed"
+    )
