@@ -2,6 +2,8 @@
 of plain decoding whatever it chooses (zero drafts for every row, for some rows, a width that changes every step);
 and it chooses what its measured costs and observed acceptance say pays."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import oracle_drafter, tiny_drafter, tiny_target
@@ -188,22 +190,57 @@ def test_costs_interpolate_between_measured_widths_and_unknown_batches_are_measu
     assert planner.width(list(range(8)), 16) == 1  # a plain step first: everything is compared with it
     planner.begin()
     planner.observe(list(range(8)), 1, [0] * 8, [0] * 8)
-    assert planner.width(list(range(8)), 16) == planner_module.PROBE_WIDTH  # then a short probe
+    # then a probe: the drafter drafts the block, and the target verifies none of it
+    assert planner.width(list(range(8)), 16) == 16
+    drafts = SimpleNamespace(tokens=torch.zeros(8, 15, dtype=torch.long), num_drafts=torch.full((8,), 15))
+    assert planner.after_draft(list(range(8)), drafts).tolist() == [0] * 8
 
 
-def test_probes_back_off_while_drafting_cannot_pay():
-    planner = _planner({(1, 1): 1.0, (1, 16): 5.0, (1, 2): 3.0}, acceptance=0.05)
-    widths = []
-    for _ in range(60):
-        planner.begin()
-        width = planner.width([0], 16)
-        widths.append(width)
-        planner.observe([0], width, [0], [width - 1])
-        planner.table.step_s = {(1, 1): 1.0, (1, 16): 5.0, (1, 2): 3.0}  # hold the costs still
-    probes = [i for i, w in enumerate(widths) if w > 1]
+def _drive(planner, steps: int, agrees, costs: dict, draft_s: float = 0.2):
+    """Runs the planner's side of ``steps`` loop steps of one row (a block of 15 drafts of token 7); the target
+    commits 7 while ``agrees(step)``, else 8. Returns per step (drafter ran, tokens verified)."""
+    history = []
+    for step in range(steps):
+        planner.table.step_s, planner.table.draft_s = dict(costs), {1: draft_s}  # hold the costs still
+        max_drafts = planner.before_draft([0], torch.tensor([15]))
+        drafted = bool(max_drafts.gt(0).any())
+        num_drafts = torch.zeros(1, dtype=torch.long)
+        if drafted:
+            drafts = SimpleNamespace(tokens=torch.full((1, 15), 7), num_drafts=max_drafts, length_prediction=None)
+            num_drafts = planner.after_draft([0], drafts)
+        width = int(num_drafts.max()) + 1
+        token = 7 if agrees(step) else 8
+        accepted = width - 1 if token == 7 else 0
+        committed = torch.tensor([[7] * accepted + [token]])
+        verified = SimpleNamespace(
+            width=width, accepted=torch.tensor([accepted]), depth=num_drafts, committed=committed
+        )
+        planner.after_verify([0], verified, torch.tensor([accepted + 1]))
+        history.append((drafted, width))
+    return history
+
+
+@pytest.mark.parametrize("length_head", [False, True])
+def test_with_a_drafter_that_never_agrees_probes_verify_nothing_and_back_off(length_head):
+    costs = {(1, 1): 1.0, (1, 2): 1.2, (1, 16): 2.0}
+    table = CostTable(step_s=dict(costs), acceptance=0.5, drafted_speedup={1: 0.8} if length_head else {})
+    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=length_head)
+    history = _drive(planner, 200, agrees=lambda step: False, costs=costs)
+    probes = [i for i, (drafted, _) in enumerate(history) if drafted]
+    # the last call's acceptance (0.5) may make the first step draft; after it, nothing but anchors is verified
+    assert all(width == 1 for _, width in history[1:])
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
-    assert len(probes) <= 4
+    assert len(probes) <= 7  # 4, 8, 16, ... steps apart: the drafter's cost over 200 steps is under 1%
+
+
+def test_a_probe_whose_block_would_have_paid_resumes_drafting():
+    costs = {(1, 1): 1.0, (1, 2): 1.2, (1, 16): 2.0}
+    planner = _planner(costs, acceptance=0.05)  # the last call's prompts did not draft well
+    history = _drive(planner, 40, agrees=lambda step: step >= 10, costs=costs)
+    first_probe = next(i for i, (drafted, _) in enumerate(history) if drafted and i >= 10)
+    assert all(width == 1 for _, width in history[: first_probe + 1])  # the probe itself verified nothing
+    assert max(width for _, width in history[first_probe:]) > 2  # then it drafts, and wide
 
 
 def test_a_new_call_probes_again_at_the_first_interval_and_keeps_the_measured_costs():

@@ -103,7 +103,7 @@ def test_layout_is_measured_per_token_count_and_kept(monkeypatch):
     assert trials == [True] * (2 * LAYOUT_TRIALS)
     assert layout.layout(3) == ("linear", False)  # equal times: linear kept, no more trials
     assert layout.layout(4)[1] is True  # another token count is measured on its own
-    assert profile.layouts.chosen(3) == "linear" and profile.to_dict()["layouts"] == {"3": "linear"}
+    assert profile.layouts.chosen(3) == "linear" and profile.to_dict()["layouts"] == [[3, "linear"]]
     profile.reset()
     assert layout.layout(3)[1] is True  # reset: measured again
     assert VerifyLayout(target, "linear", profile).layout(3) == ("linear", False)
@@ -154,14 +154,16 @@ def test_layout_trials_stay_out_of_the_planners_cost_table(monkeypatch):
         adaflash_length_policy="fixed",
         adaflash_draft_head_dtype="same",  # no dtype trials: every mark is a layout trial
     )
-    drafter = tiny_drafter(target, block_size=3)
+    reference = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+    # an oracle: the planner's probes find that drafting pays, and its first drafted step verifies 2 tokens
+    drafter = oracle_drafter(target, reference.tolist(), block_size=3)
     target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     assert marked == []  # the fixed policy has no planner: nothing to keep out (and it decided 3 tokens)
     config.adaflash_length_policy = "planned"
     with adaflash_hf.record_stats() as stats:
         target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     probed = {step.verify_width for step in stats.steps} - {1, 3}  # widths the fixed call did not measure
-    # the planner's probes verify 2 tokens: their first forwards are layout trials, kept out of its cost table
+    # those 2-token forwards are layout trials, kept out of its cost table
     assert probed == {2} and 0 < len(marked) <= 2 * LAYOUT_TRIALS
 
 

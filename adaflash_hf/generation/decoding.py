@@ -195,7 +195,7 @@ class SpeculativeDecoding:
         v = verified
         emitted = self.commit(v.committed, v.accepted + 1, v.processed, v.raw, v.width, v.features)
         accepted = v.accepted.tolist()
-        predicted = plan.after_verify(row_list, v.width, accepted, v.depth.tolist())
+        predicted = plan.after_verify(row_list, v, emitted)
         self.recorder.add(
             rows=row_list,
             candidate_lengths=[n + 1 for n in v.offered.tolist()],

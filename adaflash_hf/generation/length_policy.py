@@ -101,9 +101,9 @@ class StepPlan(Protocol):
     def untimed(self) -> None:
         """This step ran a one-off cost (a measurement of the draft head's dtype or of a GEMM layout)."""
 
-    def after_verify(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> dict:
-        """The verified step's outcome (``offered``: the longest path each row's drafts allowed); returns what the
-        plan predicted and measured, for `record_stats()`."""
+    def after_verify(self, rows: list[int], verified, emitted: torch.LongTensor) -> dict:
+        """The verified step's outcome (`verifiers.Verified`; ``emitted [R]``: the tokens each row committed, cut
+        where it stopped); returns what the plan predicted and measured, for `record_stats()`."""
 
 
 class PolicyPlan:
@@ -122,5 +122,5 @@ class PolicyPlan:
     def untimed(self) -> None:
         pass
 
-    def after_verify(self, rows, width, accepted, offered) -> dict:
+    def after_verify(self, rows, verified, emitted) -> dict:
         return {}

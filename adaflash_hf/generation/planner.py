@@ -21,9 +21,19 @@ The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / 
 step. Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer
 drafts would save nothing. Wider widths are measured one at a time: when a drafted width wins and the next one was
 never measured, the step runs at that next width instead (once per width, pair and process). While plain steps win,
-no acceptance is observed; a probe (a step of `PROBE_WIDTH` tokens: one draft per row, enough to observe acceptance)
-is forced after ``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the
-probe did not change the choice, so probing costs a few percent at most when speculation cannot pay.
+no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval doubles (up
+to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice.
+
+**Probes verify nothing.** A probe is a *shadow* step: the drafter drafts its block, but the target verifies only the
+anchor, as in a plain step, and the block is scored against the tokens the target then commits on its own: the
+drafts before the first disagreement are exactly what verifying the block would have accepted under greedy decoding
+(under sampling, agreement with the target's own samples, ``sum_x p(x) q(x)``, is a lower bound of speculative
+sampling's ``sum_x min(p(x), q(x))``, so the estimate errs towards plain steps). A probe thus costs one draft, about
+a fifth of a plain step, instead of a verification. Drafting resumes (a real drafted step, which measures the cost of
+its width) only when the probe shows that its block would have paid even at the cheapest cost a drafted step can
+have (a plain step plus the measured draft: `shadow_gain`); the first decision of a pair with no drafted step measured
+yet is a probe as well. With a drafter that never agrees, the loop verifies nothing but anchors after the first step,
+and drafts once per probe interval.
 
 **With a length head** (a drafter that has AdaFlash's head), the head reads each drafted block and predicts how
 many of its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot.
@@ -53,9 +63,8 @@ EMA = 0.3  # weight of a new timing in the moving averages
 PRIOR_ACCEPTANCE = 0.5  # per-draft acceptance assumed before anything was observed
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the pooled estimate when a row's own are few
 FIRST_PROBE_INTERVAL = 4
-# A probe only has to observe acceptance: one draft per row does, at a fraction of a whole block's verification cost
-# (a 16-token block costs about 5 plain steps at batch 16 on a CPU, 2 tokens about 1.4), and it measures the cheapest
-# drafted width, from which wider ones are explored one at a time (`width`).
+# The first real drafted step after a probe (with no drafted width measured yet) verifies one draft per row: it
+# measures the cheapest drafted width, from which wider ones are explored one at a time (`width`).
 PROBE_WIDTH = 2
 MAX_PROBE_INTERVAL = 256
 
@@ -70,6 +79,12 @@ class CostTable:
     # rows -> committed tokens per second of drafted steps over a plain step's (rows / S(rows, 1)), moving average
     drafted_speedup: dict[int, float] = field(default_factory=dict)
     head_scale: float = 1.0  # calibration of the length head's predicted accepted drafts
+    # rows -> seconds a shadow probe's draft adds to a plain step (moving average)
+    draft_s: dict[int, float] = field(default_factory=dict)
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        old = self.draft_s.get(rows)
+        self.draft_s[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def observe_drafted(self, rows: int, tokens: float, seconds: float) -> None:
         plain = self.cost(rows, 1)
@@ -158,6 +173,10 @@ class VerificationPlanner:
         self._started: float | None = None
         self._probing = False
         self._untimed = False
+        self._shadow_now = False  # this step is a probe: the drafter drafts, the target verifies the anchor only
+        self._shadows: dict[int, list] = {}  # row -> [its probe's drafts, drafts matched so far, resolved]
+        self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
+        self._probes = 0  # probes this call
         self.last_prediction: dict | None = None
         # The probe back-off is about the content being generated, which a new call changes: its prompts may draft
         # well where the last call's did not (a process that served hard prompts first would otherwise wait up to
@@ -171,6 +190,10 @@ class VerificationPlanner:
         return self.plan(rows, room)
 
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
+        if self._shadow_now:  # a probe: keep the drafts to score, verify none
+            for slot, row in enumerate(rows):
+                self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False]
+            return torch.zeros_like(drafts.num_drafts)
         if self.length_head and drafts.length_prediction is not None:
             return self.refine(rows, drafts.length_prediction, drafts.num_drafts)
         return drafts.num_drafts
@@ -183,8 +206,11 @@ class VerificationPlanner:
         budget = min(budget, int(num_drafts.max()) + 1)
         return torch.where(num_drafts > 0, room.clamp(max=drafted), 0), budget
 
-    def after_verify(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> dict:
-        step_s = self.observe(rows, width, accepted, offered)
+    def after_verify(self, rows: list[int], verified, emitted: torch.LongTensor) -> dict:
+        step_s = self.observe(rows, verified.width, verified.accepted.tolist(), verified.depth.tolist())
+        if self._shadows:
+            counts = emitted.tolist()
+            self.score_shadows(rows, [tokens[:n] for tokens, n in zip(verified.committed.tolist(), counts)])
         return {"step_time_s": step_s, **(self.last_prediction or {})}
 
     # ------------------------------------------------------------------ choice
@@ -213,40 +239,100 @@ class VerificationPlanner:
         count, table = len(rows), self.table
         max_width = max(1, min(max_width, self.block_size))
         plain, full = table.cost(count, 1), table.cost(count, max_width)
-        self._probing, self.last_prediction = False, None
+        self._probing, self._shadow_now, self.last_prediction = False, False, None
         if plain is None or max_width == 1:
-            width = 1  # measure a plain step first: every other choice is compared with it
-        elif self.length_head:
-            return self._draft_or_plain(count, max_width)
-        elif full is None:
-            width, self._probing = min(max_width, PROBE_WIDTH), True  # no drafted step measured yet: probe
+            return 1  # measure a plain step first: every other choice is compared with it
+        unmeasured = (table.drafting_speedup(count) if self.length_head else full) is None
+        if self._promoted:  # a probe's block would have paid: draft for real, and measure what it costs
+            self._promoted, self._probing = False, True
+            if self.length_head:
+                return max_width
+            width = min(max_width, PROBE_WIDTH) if full is None else self._best_width(rows, max_width)
+            return width
+        if self.length_head:
+            width = 1 if unmeasured else self._draft_or_plain(count, max_width)
+        elif unmeasured:
+            width = 1
         else:
-            committed = self.expected_committed(rows, max_width)
-            committed[0] = float(count)  # a plain step commits exactly one token per row
-            rates = {width: committed[width - 1] / table.cost(count, width) for width in range(1, max_width + 1)}
-            width = max(rates, key=rates.get)
-            if width == 1 and self.plain_streak >= table.probe_interval:
-                width, self._probing = min(max_width, PROBE_WIDTH), True
-            elif 1 < width < max_width and not table.measured(width + 1):
-                # The next width is costed by an upper bound (beyond the measured widths) or an interpolation, so it
-                # may win only once measured: one step there measures it (each width once per pair and process).
-                width += 1
-            self.last_prediction = {
-                "predicted_step_s": table.cost(count, width),
-                "predicted_tokens": committed[width - 1],
-            }
+            width = self._best_width(rows, max_width)
+        first = unmeasured and not self._probes  # nothing drafted was ever measured: probe at once
+        if width == 1 and not self._shadows and (first or self.plain_streak >= table.probe_interval):
+            self._shadow_now = True  # a probe: the drafter drafts the block, the target verifies the anchor
+            self._probes += 1
+            self.plain_streak = 0
+            return max_width
+        return width
+
+    def _best_width(self, rows: list[int], max_width: int) -> int:
+        """The width of the highest expected rate under the measured costs and the rows' acceptance."""
+        count, table = len(rows), self.table
+        committed = self.expected_committed(rows, max_width)
+        committed[0] = float(count)  # a plain step commits exactly one token per row
+        rates = {width: committed[width - 1] / table.cost(count, width) for width in range(1, max_width + 1)}
+        width = max(rates, key=rates.get)
+        if 1 < width < max_width and not table.measured(width + 1):
+            # The next width is costed by an upper bound (beyond the measured widths) or an interpolation, so it may
+            # win only once measured: one step there measures it (each width once per pair and process).
+            width += 1
+        self.last_prediction = {"predicted_step_s": table.cost(count, width), "predicted_tokens": committed[width - 1]}
         return width
 
     def _draft_or_plain(self, count: int, max_width: int) -> int:
         """With a length head: the whole block (for `refine` to cut) when drafted steps have been committing tokens
-        faster than plain steps, or as a probe after a plain streak; else a plain step."""
-        speedup = self.table.drafting_speedup(count)
-        if speedup is None or speedup >= 1.0:
-            return max_width
-        if self.plain_streak >= self.table.probe_interval:
-            self._probing = True
-            return max_width
-        return 1
+        faster than plain steps; else a plain step."""
+        return max_width if self.table.drafting_speedup(count) >= 1.0 else 1
+
+    # ------------------------------------------------------------------ probes
+
+    def score_shadows(self, rows: list[int], committed: list[list[int]]) -> None:
+        """Compares the pending probes' drafts with the tokens the rows committed this step (``committed``, per row
+        of ``rows``); resolves the probe once every row disagreed, matched its whole block or left the batch."""
+        present = dict(zip(rows, committed))
+        for row, shadow in self._shadows.items():
+            drafts, matched, resolved = shadow
+            if resolved:
+                continue
+            if row not in present:  # the row finished
+                shadow[2] = True
+                continue
+            for token in present[row]:
+                if matched < len(drafts) and token == drafts[matched]:
+                    matched += 1
+                else:
+                    shadow[2] = True
+                    break
+            shadow[1] = matched
+            if matched == len(drafts):
+                shadow[2] = True
+        gain = self.shadow_gain()
+        if gain is not None and gain > 1.0:
+            self._promoted = True  # the block would have paid, even if no more of it matches
+        elif all(resolved for _, _, resolved in self._shadows.values()):
+            self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
+        else:
+            return
+        if not self.length_head:  # the geometric model's observations: accepted drafts, then one rejection
+            for row, (drafts, matched, resolved) in self._shadows.items():
+                if drafts:  # a row still matching when the probe ended early has seen no rejection yet
+                    self.successes[row] += matched
+                    self.trials[row] += matched + (resolved and matched < len(drafts))
+        self._shadows = {}
+
+    def shadow_gain(self) -> float | None:
+        """How much faster than plain steps verifying the probe's blocks would have committed their matched drafts,
+        at the best width and the cheapest cost a drafted step of that width can have (the measured cost when the
+        width was measured, else a plain step plus the measured draft); ``None`` before anything can be said."""
+        rows = len(self._shadows)
+        plain, draft = self.table.cost(rows, 1), self.table.draft_s.get(rows)
+        if plain is None or draft is None:
+            return None
+        matched = [m for _, m, _ in self._shadows.values()]
+        longest = max(len(d) for d, _, _ in self._shadows.values())
+        best = 0.0
+        for width in range(2, longest + 2):
+            cost = self.table.cost(rows, width) if self.table.measured(width) else plain + draft
+            best = max(best, sum(1 + min(m, width - 1) for m in matched) / cost)
+        return best / (rows / plain)
 
     def refine(
         self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor
@@ -294,6 +380,12 @@ class VerificationPlanner:
 
     def _observe(self, rows, width, accepted, offered, seconds) -> float:
         timed, self._untimed = not self._untimed, False
+        if self._shadow_now:  # a plain step plus a draft: what it adds to a plain step is the draft's cost
+            plain = self.table.cost(len(rows), 1)
+            # a draft that timed the head's dtypes costs more than later ones: taken only while nothing better is known
+            if plain is not None and (timed or len(rows) not in self.table.draft_s):
+                self.table.observe_draft(len(rows), max(seconds - plain, 0.0))
+            timed = False
         if timed:
             self.table.observe(len(rows), width, seconds)
         if width == 1:  # a plain step offers no drafts, so it tells nothing about acceptance

@@ -104,6 +104,7 @@ class RuntimeProfile:
                     f"{device}/{dtype}": {
                         "step_s": {f"{rows},{width}": s for (rows, width), s in table.step_s.items()},
                         "drafted_speedup": {str(rows): x for rows, x in table.drafted_speedup.items()},
+                        "draft_s": {str(rows): x for rows, x in table.draft_s.items()},
                         "acceptance": table.acceptance,
                         "head_scale": table.head_scale,
                     }
@@ -125,6 +126,7 @@ class RuntimeProfile:
                     rows, width = key.split(",")
                     cost.step_s[(int(rows), int(width))] = float(seconds)
                 cost.drafted_speedup.update({int(r): float(x) for r, x in table["drafted_speedup"].items()})
+                cost.draft_s.update({int(r): float(x) for r, x in table.get("draft_s", {}).items()})
                 cost.acceptance, cost.head_scale = float(table["acceptance"]), float(table["head_scale"])
             for key, dtype in state["head_dtypes"]:
                 self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
