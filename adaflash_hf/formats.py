@@ -60,6 +60,7 @@ from .configuration import (
     is_dflash_dict,
 )
 from .dflash2 import DFLASH2_ARCHITECTURE
+from .draft_vocab_rows import vocab_ids, vocab_rows
 from .utils import atomic_directory
 
 CONFIG_NAME = "config.json"
@@ -542,14 +543,14 @@ def _save_speculators(model, staging: Path, target_lm_head) -> None:
                 "The speculators format stores a reduced draft vocabulary's LM head rows: pass "
                 "target_lm_head=target.get_output_embeddings() to save_pretrained(..., save_format='speculators')."
             )
-        ids = torch.tensor(config.draft_vocab, dtype=torch.long)
+        ids = vocab_ids(config.draft_vocab)
         weight = target_lm_head.weight.detach()
         if weight.shape != (config.vocab_size, config.hidden_size):
             raise ValueError(
                 f"target_lm_head has shape {tuple(weight.shape)}, not [vocab_size, hidden_size] = "
                 f"[{config.vocab_size}, {config.hidden_size}]: pass the target's output embeddings."
             )
-        state["lm_head.weight"] = weight.index_select(0, ids.to(weight.device)).to(model.fc.weight.dtype).cpu()
+        state["lm_head.weight"] = vocab_rows(weight, ids).to(model.fc.weight.dtype).cpu()
         state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
         state["d2t"] = ids - torch.arange(len(ids))
     save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from ..draft_vocab_rows import full_vocab_logits, vocab_ids, vocab_rows
 from .measured import MeasuredChoice
 
 DRAFT_HEAD_CHOICES = ("auto", "same")
@@ -75,7 +76,7 @@ class _Vocab:
     def __init__(self, ids, device):
         ids = [int(i) for i in ids]
         self.key = (len(ids), hash(tuple(ids)))
-        self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.ids = vocab_ids(ids, device)
 
 
 def _copy(weight: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None = None) -> torch.Tensor:
@@ -89,7 +90,7 @@ def _copy(weight: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None = None)
             del _COPIES[old]
         if not any(k[0] == id(weight) for k in _COPIES):  # the copies go with the weight they were made from
             weakref.finalize(weight, _forget, id(weight))
-        rows = weight.detach() if vocab is None else weight.detach().index_select(0, vocab.ids.to(weight.device))
+        rows = weight.detach() if vocab is None else vocab_rows(weight.detach(), vocab.ids)
         _COPIES[key] = rows.to(dtype)
     return _COPIES[key]
 
@@ -107,12 +108,11 @@ def _project(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vo
         return head(hidden.to(weight.device, weight.dtype)).float()
     bias = head.bias
     if bias is not None:
-        bias = (bias if vocab is None else bias.index_select(0, vocab.ids.to(bias.device))).to(dtype)
+        bias = (bias if vocab is None else vocab_rows(bias, vocab.ids)).to(dtype)
     logits = torch.nn.functional.linear(hidden.to(weight.device, dtype), _copy(weight, dtype, vocab), bias).float()
     if vocab is None:
         return logits
-    full = logits.new_full((*logits.shape[:-1], weight.shape[0]), float("-inf"))
-    return full.index_copy_(-1, vocab.ids.to(full.device), logits)
+    return full_vocab_logits(logits, vocab.ids, weight.shape[0])
 
 
 def _timed(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab) -> tuple[torch.Tensor, float]:
