@@ -50,6 +50,7 @@ from safetensors import safe_open
 from transformers import PreTrainedModel
 
 from .configuration import AdaFlashConfig, AdaptiveLengthHeadConfig, config_from_dict, draft_vocab_problems
+from .draft_vocab_rows import vocab_ids, vocab_rows
 from .schema import (
     ADAFLASH_KEYS,
     CONFIG_NAME,
@@ -414,14 +415,14 @@ def _speculators_state_dict(model, state_dict: dict | None, target_lm_head) -> d
                 "The speculators format stores a reduced draft vocabulary's LM head rows: pass "
                 "target_lm_head=target.get_output_embeddings() to save_pretrained(..., save_format='speculators')."
             )
-        ids = torch.tensor(config.draft_vocab, dtype=torch.long)
+        ids = vocab_ids(config.draft_vocab)
         weight = target_lm_head.weight.detach()
         if weight.shape != (config.vocab_size, config.hidden_size):
             raise ValueError(
                 f"target_lm_head has shape {tuple(weight.shape)}, not [vocab_size, hidden_size] = "
                 f"[{config.vocab_size}, {config.hidden_size}]: pass the target's output embeddings."
             )
-        state["lm_head.weight"] = weight.index_select(0, ids.to(weight.device)).to(model.fc.weight.dtype).cpu()
+        state["lm_head.weight"] = vocab_rows(weight, ids).to(model.fc.weight.dtype).cpu()
         state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
         state["d2t"] = ids - torch.arange(len(ids))
     return state

@@ -8,6 +8,7 @@ resumed after a crash, sees either the old content or the whole new one, never a
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -100,10 +101,13 @@ def append_jsonl(path: str | os.PathLike, row: dict) -> None:
 
 
 def read_jsonl(path: str | os.PathLike, *, skip_invalid: bool = False) -> list[dict]:
-    """The rows of a JSONL file (blank lines skipped). ``skip_invalid=True`` also skips lines that do not parse,
-    for append-only logs whose last line a crash may have torn; otherwise such a line raises, naming the line."""
+    """The rows of a JSONL file, gzipped when its name ends in ``.gz`` (blank lines skipped). ``skip_invalid=True``
+    also skips lines that do not parse, for append-only logs whose last line a crash may have torn; otherwise such a
+    line raises, naming the line."""
     rows = []
-    with Path(path).open(encoding="utf-8") as handle:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue

@@ -41,6 +41,16 @@ def test_harness_records_every_usable_method(word_tokenizer):
     assert all(0.0 <= r.padding_fraction < 1.0 for r in adaptive)
 
 
+def test_a_domain_with_fewer_prompts_than_a_batch_has_no_record_at_that_size(word_tokenizer):
+    target = tiny_target()
+    target.generation_config.pad_token_id = 2
+    word_tokenizer.padding_side = "left"
+    prompts = {"three": ["abcabcab", "hello world", "xyz"], "one": ["0123"]}
+    records = run_benchmark(target, word_tokenizer, prompts, methods=("plain",), batch_sizes=(1, 2), max_new_tokens=4)
+    assert sorted((r.domain, r.batch_size) for r in records) == [("one", 1), ("three", 1), ("three", 2)]
+    assert all(r.tokens_per_s > 0 for r in records)
+
+
 def test_report_table_and_plots(tmp_path, word_tokenizer):
     from adaflash_demo.bench.report import markdown_table, plot_records, summary_tables
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from synthetic import prompts
 
-from adaflash_demo.cli import chosen_prompts, main
+from adaflash_demo.cli import chosen_prompts, main, say_whole_batches
 from adaflash_demo.demo import read_prompt_file, stream_prompts
 from adaflash_hf.cli import CommandError
 
@@ -50,6 +50,12 @@ def test_bench_serves_a_whole_prompt_file_in_batches_per_domain(synthetic_checkp
     assert {r["method"] for r in records} == {"plain", "adaflash_fixed", "adaflash_planned"}
     assert all(r["identical_fraction"] == 1.0 for r in records)
     assert "| adaflash_planned |" in (tmp_path / "out.md").read_text()
+
+
+def test_bench_says_which_prompts_whole_batches_leave_out(capsys):
+    say_whole_batches({"a": ["p"] * 5, "b": ["p"] * 8}, [1, 4])
+    said = capsys.readouterr().err
+    assert said == "batch 4: 12 of the 13 prompts, in whole batches of each domain (left out: a 1)\n"
 
 
 def test_without_a_file_the_shipped_prompts_are_limited_and_a_user_target_gets_generic_ones(capsys):

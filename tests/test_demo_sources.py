@@ -2,6 +2,7 @@
 lacks a source, held-out choice fixed by the document id, arithmetic that adds up; and the atomic writers the
 recipe's resumable stages rely on (`adaflash_hf.utils`)."""
 
+import gzip
 import random
 import re
 
@@ -64,3 +65,6 @@ def test_atomic_writes_leave_the_old_file_when_they_fail(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(TEMPORARY_PREFIX)]  # no staging left behind
     write_json_atomic(tmp_path / "report.json", {"b": [1, 2]}, indent=1)
     assert (tmp_path / "report.json").read_text() == '{\n "b": [\n  1,\n  2\n ]\n}\n'
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wt", encoding="utf-8") as handle:
+        handle.write('{"a": 3}\n\n{"a": 4}\n')
+    assert read_jsonl(tmp_path / "rows.jsonl.gz") == [{"a": 3}, {"a": 4}]  # a gzipped file reads the same way

@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from ..draft_vocab_rows import full_vocab_logits, vocab_ids, vocab_rows
 from .profile import RuntimeProfile
 
 DRAFT_HEAD_CHOICES = ("auto", "same")
@@ -61,7 +62,7 @@ class _Vocab:
     def __init__(self, ids, device):
         ids = [int(i) for i in ids]
         self.key = (len(ids), hash(tuple(ids)))
-        self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.ids = vocab_ids(ids, device)
 
 
 def _project(
@@ -74,13 +75,12 @@ def _project(
         return head(hidden.to(weight.device, weight.dtype)).float()
     bias = head.bias
     if bias is not None:
-        bias = (bias if vocab is None else bias.index_select(0, vocab.ids.to(bias.device))).to(dtype)
+        bias = (bias if vocab is None else vocab_rows(bias, vocab.ids)).to(dtype)
     copy = _weight_copy(weight, dtype, vocab, profile)
     logits = torch.nn.functional.linear(hidden.to(weight.device, dtype), copy, bias).float()
     if vocab is None:
         return logits
-    full = logits.new_full((*logits.shape[:-1], weight.shape[0]), float("-inf"))
-    return full.index_copy_(-1, vocab.ids.to(full.device), logits)
+    return full_vocab_logits(logits, vocab.ids, weight.shape[0])
 
 
 def _weight_copy(weight, dtype, vocab: _Vocab | None, profile: RuntimeProfile) -> torch.Tensor:

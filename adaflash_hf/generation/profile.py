@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..draft_vocab_rows import vocab_rows
 from ..utils import write_json_atomic
 from .measured import MeasuredChoice
 from .planner import CostTable
@@ -82,7 +83,7 @@ class RuntimeProfile:
             made = self._head_copies.get((dtype, key))
             if made is not None and made[0]() is weight and made[1] == weight._version:
                 return made[2]
-            copy = weight.detach() if rows is None else weight.detach().index_select(0, rows.to(weight.device))
+            copy = weight.detach() if rows is None else vocab_rows(weight.detach(), rows)
             copy = copy.to(dtype)
             self._head_copies[(dtype, key)] = (weakref.ref(weight), weight._version, copy)
             return copy

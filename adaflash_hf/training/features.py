@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..draft_vocab_rows import vocab_ids, vocab_rows
 from ..utils import atomic_path, write_json_atomic
 from .blocks import BlockLayout, block_attention_mask, block_label_positions, block_noise_ids, block_position_ids
 from .losses import TeacherTop, teacher_top
@@ -237,8 +238,8 @@ def draft_top1(
     weight, bias = head.weight, head.bias
     vocab = None
     if draft_vocab is not None:
-        vocab = torch.as_tensor(draft_vocab, dtype=torch.long, device=weight.device)
-        weight, bias = weight.index_select(0, vocab), None if bias is None else bias.index_select(0, vocab)
+        vocab = vocab_ids(draft_vocab, weight.device)
+        weight, bias = vocab_rows(weight, vocab), vocab_rows(bias, vocab)
     rows = hidden.flatten(0, 1).to(weight.dtype)
     argmax, top = [], []
     for start in range(0, rows.shape[0], chunk_size):

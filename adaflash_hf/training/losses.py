@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..dflash2 import training_candidates
+from ..draft_vocab_rows import vocab_rows
 from ..generation.acceptance import leading_true
 
 LOSS_TYPES = ("opd", "ce", "fkl")
@@ -194,8 +195,7 @@ def row_statistics(
         index[draft_vocab] = torch.arange(draft_vocab.shape[0], device=weight.device)
         data_labels = index[data_labels]
         top = _MappedTop(index[teacher.argmax], teacher.logsumexp, teacher.argmax)
-        weight = weight.index_select(0, draft_vocab)
-        bias = None if bias is None else bias.index_select(0, draft_vocab)
+        weight, bias = vocab_rows(weight, draft_vocab), vocab_rows(bias, draft_vocab)
     chunks = []
     # At least one (possibly empty) chunk, so a micro-batch without supervised rows still yields [0] tensors.
     for start in range(0, max(student_hidden.shape[0], 1), chunk_size):

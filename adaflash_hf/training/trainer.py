@@ -26,6 +26,7 @@ from datasets import Dataset
 from transformers import GenerationConfig
 from trl import DistillationTrainer
 
+from ..draft_vocab_rows import vocab_ids
 from ..hub import drafter_card_fields, render_model_card
 from .blocks import block_loss_weights, sample_anchors
 from .config import OPDConfig
@@ -478,7 +479,7 @@ class OPDTrainer(DistillationTrainer):
         """The drafter's draft vocabulary as a tensor, built once per run (the config's list does not change)."""
         cached = getattr(self, "_draft_vocab_cache", None)
         if cached is None or cached[0] is not ids or cached[1].device != torch.device(device):
-            cached = (ids, torch.tensor(ids, dtype=torch.long, device=device))
+            cached = (ids, vocab_ids(ids, device))
             self._draft_vocab_cache = cached
         return cached[1]
 

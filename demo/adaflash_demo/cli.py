@@ -161,6 +161,7 @@ def bench(args) -> int:
             setattr(args, name, default)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     texts = chosen_prompts(args, default_per_domain=8 if args.quick else 16)
+    say_whole_batches(texts, batch_sizes)
     target, tokenizer, drafter = load_demo_models(args)
     assistant = None
     if args.assistant_model:  # a small autoregressive model of the target's tokenizer, for `hf_assisted`
@@ -192,6 +193,21 @@ def bench(args) -> int:
         for path in report.plot_records(records, args.plots):
             print(f"wrote {path}")
     return 0
+
+
+def say_whole_batches(prompts: dict[str, list[str]], batch_sizes: list[int]) -> None:
+    """Says, per batch size, how many prompts run when a domain's count is not a multiple of it: the benchmark
+    batches each domain's prompts in whole batches only, since a smaller last batch would be timed as a full one."""
+    total = sum(map(len, prompts.values()))
+    for size in batch_sizes:
+        left = {domain: len(texts) % size for domain, texts in prompts.items() if len(texts) % size}
+        if left:
+            counts = ", ".join(f"{domain} {n}" for domain, n in left.items())
+            print(
+                f"batch {size}: {total - sum(left.values())} of the {total} prompts, in whole batches of each domain "
+                f"(left out: {counts})",
+                file=sys.stderr,
+            )
 
 
 # ---------------------------------------------------------------------------------------------- online

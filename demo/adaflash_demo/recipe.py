@@ -33,7 +33,14 @@ from pathlib import Path
 import torch
 
 from adaflash_hf.chat import render_prompt
-from adaflash_hf.utils import atomic_directory, read_jsonl, write_json_atomic, write_jsonl
+from adaflash_hf.utils import (
+    atomic_directory,
+    atomic_path,
+    read_jsonl,
+    write_json_atomic,
+    write_jsonl,
+    write_text_atomic,
+)
 
 from . import instructions
 from .smollm2 import load_target
@@ -364,15 +371,13 @@ def restore_kept_answers(config: RecipeConfig, layout: Layout, shards: dict[str,
         final = layout.answers / f"{name}.jsonl"
         if final.exists() or name not in shards:
             continue
-        with gzip.open(path, "rt", encoding="utf-8") as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
+        rows = read_jsonl(path)
         if [row["prompt"] for row in rows] != [row["prompt"] for row in shards[name]]:
             raise ValueError(
                 f"{path} answers other prompts than this build's {name} (the prompt settings or the source "
                 "changed): restore the settings that built it, or remove the kept shards that no longer match."
             )
-        write_jsonl(final.with_suffix(".tmp"), rows)
-        final.with_suffix(".tmp").rename(final)
+        write_jsonl(final, rows)
         print(f"answers {name}: taken from {path}", flush=True)
 
 
@@ -387,16 +392,16 @@ def stage_keep(config: RecipeConfig, layout: Layout) -> None:
     settings_path = kept / KEPT_SETTINGS
     if settings_path.exists() and json.loads(settings_path.read_text()) != _answer_settings(config):
         raise ValueError(f"{kept} holds answers of other settings ({settings_path.read_text().strip()}).")
-    settings_path.write_text(json.dumps(_answer_settings(config)) + "\n")
+    write_text_atomic(settings_path, json.dumps(_answer_settings(config)) + "\n")
     copied = 0
     for path in sorted(layout.answers.glob("*.jsonl")) if layout.answers.is_dir() else []:
         final = kept / f"{path.name}.gz"
         if final.exists():
             continue
-        temporary = final.with_suffix(".tmp")
-        with open(temporary, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as handle:
-            handle.write(path.read_bytes())
-        temporary.rename(final)
+        # the header names the shard itself, not the staging file, so the bytes depend on the content only
+        with atomic_path(final) as staging, open(staging, "wb") as raw:
+            with gzip.GzipFile(filename=path.name, fileobj=raw, mode="wb", mtime=0) as handle:
+                handle.write(path.read_bytes())
         copied += 1
     print(f"keep: {copied} new answer shard(s) in {kept}", flush=True)
 

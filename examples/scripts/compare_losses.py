@@ -18,6 +18,7 @@ from datasets import load_dataset
 from adaflash_hf.training import measure_acceptance
 from adaflash_hf.training.cli import build_trainer, parse_args
 from adaflash_hf.training.rollouts import encode_dataset
+from adaflash_hf.utils import write_json_atomic
 
 
 def main(argv=None) -> int:
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
             eos_token_id=trainer.eos_token_ids,
         )
         results[loss_type] = {"mean_acceptance_length": stats.mean_acceptance_length, "steps": stats.num_steps}
-    (root / "comparison.json").write_text(json.dumps(results, indent=2))
+    write_json_atomic(root / "comparison.json", results, indent=2)
     print(json.dumps(results, indent=2))
     return 0
 

@@ -158,7 +158,9 @@ def run_benchmark(
     progress=None,
     on_output=None,
 ) -> list[BenchRecord]:
-    """Runs every usable method on every domain and batch size, interleaving methods batch by batch.
+    """Runs every usable method on every domain and batch size, interleaving methods batch by batch. Each domain's
+    prompts run in whole batches: a last partial batch is left out, and a domain with fewer prompts than a batch size
+    gets no record at that size.
 
     ``on_output(domain, method, rows)``, if given, receives each call's generated token ids per row.
     """
@@ -170,6 +172,8 @@ def run_benchmark(
             usable = available_methods(methods, batch_size, drafter, ar_draft)
             tallies = {m: _Tally() for m in usable}
             batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+            if not batches:  # fewer prompts than one batch: nothing measured, no record (the command says so)
+                continue
             for step, (_, batch) in enumerate(itertools.product(range(repeats), batches)):
                 inputs = tokenizer(batch, return_tensors="pt", padding=True).to(target.device)
                 rotation = usable[step % len(usable) :] + usable[: step % len(usable)]
