@@ -169,6 +169,8 @@ def test_a_batch_size_a_domain_cannot_fill_pools_the_small_domains_or_is_refused
 
 
 def test_a_pooled_batch_size_is_measured_not_reported_as_zero(word_tokenizer):
+    from adaflash_demo.bench.report import summary_tables
+
     # the symptom: 16 prompts a domain at batch 32 gave rows of 0.00 tok/s and nan
     target = tiny_target()
     target.generation_config.pad_token_id = 2
@@ -179,12 +181,16 @@ def test_a_pooled_batch_size_is_measured_not_reported_as_zero(word_tokenizer):
         {"letters": ["abcabcab", "hello world"], "digits": ["0123", "999"]},
         drafter=tiny_drafter(target),
         methods=("plain", "adaflash_fixed"),
-        batch_sizes=(4,),
+        batch_sizes=(1, 4),
         max_new_tokens=6,
     )
-    assert {(r.domain, r.batch_size) for r in records} == {("pooled(letters+digits)", 4)}
+    groups = {(r.domain, r.batch_size) for r in records}
+    assert groups == {("letters", 1), ("digits", 1), ("pooled(letters+digits)", 4)}
     assert all(r.tokens_per_s > 0 and r.identical_fraction == 1.0 for r in records)
     assert all(r.emitted_tokens > 0 and not math.isnan(r.speedup) for r in records)
+    summary = summary_tables(records)
+    assert summary.splitlines()[0] == "| method | digits | letters | mean speedup |"  # the pool is no batch-1 column
+    assert "| 4 | adaflash_fixed | " in summary
 
 
 def test_results_json_carries_the_machine_and_older_files_still_read(tmp_path):

@@ -189,8 +189,8 @@ def plan_batches(prompts_by_domain: dict[str, list[str]], batch_sizes) -> list[B
         if batch_size < 1:
             raise ValueError(f"batch size {batch_size}: give batch sizes of at least 1")
         short = [domain for domain, prompts in prompts_by_domain.items() if len(prompts) < batch_size]
-        if sum(len(prompts_by_domain[domain]) for domain in short) < batch_size:
-            short = short and list(prompts_by_domain)  # too few even together: every domain joins the pool
+        if short and sum(len(prompts_by_domain[domain]) for domain in short) < batch_size:
+            short = list(prompts_by_domain)  # too few even together: every domain joins the pool
         groups += [
             BatchGroup(domain, batch_size, list(prompts))
             for domain, prompts in prompts_by_domain.items()
