@@ -1,10 +1,13 @@
-"""The benchmark harness on tiny models: every method runs, records are complete, fp32 greedy outputs identical."""
+"""The benchmark harness on tiny models: every method runs, records are complete, fp32 greedy outputs identical; a
+batch size a domain cannot fill pools the small domains; the results name the machine."""
 
 import math
 
+import pytest
 from helpers import tiny_drafter, tiny_target
 
 from adaflash_demo.bench.harness import METHODS, run_benchmark
+from adaflash_hf.machine import machine_summary
 
 
 def test_harness_records_every_usable_method(word_tokenizer):
@@ -39,16 +42,6 @@ def test_harness_records_every_usable_method(word_tokenizer):
     assert fixed.padding_fraction == 0.0 and math.isnan(plain.padding_fraction)  # one row pads nothing
     adaptive = [r for r in records if r.method == "adaflash_adaptive" and r.batch_size == 2]
     assert all(0.0 <= r.padding_fraction < 1.0 for r in adaptive)
-
-
-def test_a_domain_with_fewer_prompts_than_a_batch_has_no_record_at_that_size(word_tokenizer):
-    target = tiny_target()
-    target.generation_config.pad_token_id = 2
-    word_tokenizer.padding_side = "left"
-    prompts = {"three": ["abcabcab", "hello world", "xyz"], "one": ["0123"]}
-    records = run_benchmark(target, word_tokenizer, prompts, methods=("plain",), batch_sizes=(1, 2), max_new_tokens=4)
-    assert sorted((r.domain, r.batch_size) for r in records) == [("one", 1), ("three", 1), ("three", 2)]
-    assert all(r.tokens_per_s > 0 for r in records)
 
 
 def test_report_table_and_plots(tmp_path, word_tokenizer):
@@ -147,3 +140,78 @@ def test_linear_suffix_runs_a_method_without_the_measured_verification_layout(wo
     )
     assert {r.method for r in records} == {"plain", "adaflash_fixed_linear", "adaflash_fixed"}
     assert all(r.identical_fraction == 1.0 for r in records)
+
+
+def test_a_batch_size_a_domain_cannot_fill_pools_the_small_domains_or_is_refused():
+    from adaflash_demo.bench.harness import plan_batches
+
+    prompts = {"big": [f"b{i}" for i in range(4)], "x": ["x0", "x1", "x2"], "y": ["y0"]}
+    plan = plan_batches(prompts, (1, 4))
+    assert [(g.domain, g.batch_size, len(g.batches)) for g in plan] == [
+        ("big", 1, 4),
+        ("x", 1, 3),
+        ("y", 1, 1),
+        ("big", 4, 1),
+        ("pooled(x+y)", 4, 1),
+    ]
+    pooled = plan[-1]
+    assert pooled.pooled_from == ("x", "y") and pooled.prompts == ["x0", "y0", "x1", "x2"]  # interleaved
+    assert "the 4 prompts of x, y are pooled, interleaved, into 'pooled(x+y)' (1 batch of 4)" in pooled.describe()
+    # at batch 3 `x` fills a batch but `y` alone cannot: every domain joins the pool, and the prompts a last partial
+    # batch would need are left out, from every domain alike
+    three = plan_batches(prompts, (3,))
+    assert [g.domain for g in three] == ["pooled(big+x+y)"]
+    assert three[0].batches == [["b0", "x0", "y0"], ["b1", "x1", "b2"]] and "2 left out" in three[0].describe()
+    with pytest.raises(ValueError, match=r"batch size 9 cannot be filled: big 4, x 3, y 1 prompts, 8 even pooled"):
+        plan_batches(prompts, (1, 9))  # nothing is planned when any batch size fails: no run stops half-way
+    with pytest.raises(ValueError, match="batch size 0"):
+        plan_batches(prompts, (0,))
+
+
+def test_a_pooled_batch_size_is_measured_not_reported_as_zero(word_tokenizer):
+    from adaflash_demo.bench.report import summary_tables
+
+    # the issue's symptom: 16 prompts a domain at batch 32 gave rows of 0.00 tok/s and nan
+    target = tiny_target()
+    target.generation_config.pad_token_id = 2
+    word_tokenizer.padding_side = "left"
+    records = run_benchmark(
+        target,
+        word_tokenizer,
+        {"letters": ["abcabcab", "hello world"], "digits": ["0123", "999"]},
+        drafter=tiny_drafter(target),
+        methods=("plain", "adaflash_fixed"),
+        batch_sizes=(1, 4),
+        max_new_tokens=6,
+    )
+    groups = {(r.domain, r.batch_size) for r in records}
+    assert groups == {("letters", 1), ("digits", 1), ("pooled(letters+digits)", 4)}
+    assert all(r.tokens_per_s > 0 and r.identical_fraction == 1.0 for r in records)
+    assert all(r.emitted_tokens > 0 and not math.isnan(r.speedup) for r in records)
+    summary = summary_tables(records)
+    assert summary.splitlines()[0] == "| method | digits | letters | mean speedup |"  # the pool is no batch-1 column
+    assert "| 4 | adaflash_fixed | " in summary
+
+
+def test_results_json_carries_the_machine_and_older_files_still_read(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from adaflash_demo.bench.harness import BenchRecord
+    from adaflash_demo.bench.report import markdown_report, read_results, write_results
+    from adaflash_hf.machine import machine_info
+
+    record = BenchRecord("plain", 1, "code", "float32", 20.0, 1.0, 1.0, 1.0, 1.0, 64, 3.2)
+    machine = machine_info()
+    write_results(tmp_path / "new.json", [record], machine)
+    payload = json.loads((tmp_path / "new.json").read_text())
+    assert payload["machine"] == machine and payload["records"][0]["method"] == "plain"
+    read_machine, (read_record,) = read_results(tmp_path / "new.json")
+    assert read_machine == machine and read_record.tokens_per_s == 20.0 and read_record.emitted_tokens == 64
+    # a file of before the machine was recorded: a bare list, without padding_fraction
+    old = {key: value for key, value in asdict(record).items() if key != "padding_fraction"}
+    (tmp_path / "old.json").write_text(json.dumps([old]))
+    old_machine, (old_record,) = read_results(tmp_path / "old.json")
+    assert old_machine is None and old_record.method == "plain" and math.isnan(old_record.padding_fraction)
+    assert markdown_report([old_record], None).startswith("Machine: not recorded\n\n| method |")
+    assert markdown_report([record], machine).splitlines()[0] == "Machine: " + machine_summary(machine)

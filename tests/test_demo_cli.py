@@ -7,9 +7,10 @@ import json
 import pytest
 from synthetic import prompts
 
-from adaflash_demo.cli import chosen_prompts, main, say_whole_batches
+from adaflash_demo.cli import chosen_prompts, main
 from adaflash_demo.demo import read_prompt_file, stream_prompts
 from adaflash_hf.cli import CommandError
+from adaflash_hf.machine import machine_info, machine_summary
 
 
 def _prompt_file(path, rows):
@@ -29,8 +30,12 @@ def test_demo_runs_every_prompt_of_a_file_and_says_how_many(synthetic_checkpoint
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["domain"], r["n"], r["identical"]) for r in records] == [("mine", 5, 5), ("custom", 1, 1)]
     keys = {"domain", "identical", "n", "mean_acceptance_length", "plain_tokens_per_s", "adaflash_tokens_per_s"}
-    assert all(keys | {"speedup"} == set(r) for r in records)
+    assert all(keys | {"speedup", "machine"} == set(r) for r in records)
     assert "outputs identical to plain generate(): 6/6" in printed.out
+    # the machine, above the table and in every record
+    machine = records[0]["machine"]
+    assert machine == machine_info() and all(r["machine"] == machine for r in records)
+    assert f"machine: {machine_summary(machine)}\n\n| domain |" in printed.out
 
     assert main([*args, "--prompts-per-domain", "2", "--json", str(out)]) == 0  # a limit given: it applies
     assert f"prompts: 3 from {path} (mine 2, custom 1)" in capsys.readouterr().err
@@ -44,18 +49,30 @@ def test_bench_serves_a_whole_prompt_file_in_batches_per_domain(synthetic_checkp
     args = ["bench", "--target", target, "--drafter", drafter, "--prompts", path, "--quick"]
     args += ["--methods", "plain,adaflash_fixed,adaflash_planned", "--batch-sizes", "1,4", "--max-new-tokens", "12"]
     assert main([*args, "--json", str(out), "--markdown", str(tmp_path / "out.md")]) == 0
-    assert f"prompts: 4 from {path} (mixed 4)" in capsys.readouterr().err
-    records = json.loads(out.read_text())
+    printed = capsys.readouterr()
+    assert f"prompts: 4 from {path} (mixed 4)" in printed.err
+    results = json.loads(out.read_text())
+    records = results["records"]
     assert {(r["domain"], r["batch_size"]) for r in records} == {("mixed", 1), ("mixed", 4)}
     assert {r["method"] for r in records} == {"plain", "adaflash_fixed", "adaflash_planned"}
     assert all(r["identical_fraction"] == 1.0 for r in records)
-    assert "| adaflash_planned |" in (tmp_path / "out.md").read_text()
+    # the machine: in the JSON, heading the printed report and the markdown file
+    assert results["machine"] == machine_info()
+    header = f"Machine: {machine_summary(results['machine'])}"
+    markdown = (tmp_path / "out.md").read_text()
+    assert markdown.startswith(header + "\n\n| method |") and "| adaflash_planned |" in markdown
+    assert printed.out.startswith(header)
 
 
-def test_bench_says_which_prompts_whole_batches_leave_out(capsys):
-    say_whole_batches({"a": ["p"] * 5, "b": ["p"] * 8}, [1, 4])
-    said = capsys.readouterr().err
-    assert said == "batch 4: 12 of the 13 prompts, in whole batches of each domain (left out: a 1)\n"
+def test_bench_refuses_a_batch_size_no_pool_of_prompts_can_fill_before_loading_anything(tmp_path, capsys):
+    path = _prompt_file(tmp_path / "prompts.jsonl", [{"prompt": p, "domain": "mixed"} for p in prompts(4)])
+    args = ["bench", "--target", "never-loaded", "--drafter", "never-loaded", "--prompts", path]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--batch-sizes", "1,8"])
+    assert exit_info.value.code == 2
+    assert "batch size 8 cannot be filled: mixed 4 prompts, 4 even pooled; give smaller batch sizes" in (
+        capsys.readouterr().err
+    )
 
 
 def test_without_a_file_the_shipped_prompts_are_limited_and_a_user_target_gets_generic_ones(capsys):

@@ -2,10 +2,14 @@
 
 * ``demo``: plain ``generate()`` against AdaFlash, prompt by prompt at batch 1, on the real target (SmolLM2-135M-
   Instruct with the shipped drafter) or on ``--target``/``--drafter``;
-* ``bench``: every method side by side, at several batch sizes;
+* ``bench``: every method side by side, at several batch sizes (the domains with fewer prompts than a batch size
+  pooled for it);
 * ``recipe``: the resumable recipe that builds, evaluates and ships the SmolLM2 drafter (a YAML ``--config`` and
   ``field=value`` overrides, TRL's parser);
 * ``online``: online adaptation on the real target's shipped streams (``--domain``), or on a prompt file.
+
+``demo`` and ``bench`` print the machine they ran on (`adaflash_hf.machine`) above their tables and write it into
+their ``--json`` (and ``bench`` into its ``--markdown``).
 
 The library's own command, ``adaflash``, keeps ``train`` and ``online --target --drafter --prompts``; the model
 loading, stream reading and online serving here are the library's (`adaflash_hf.cli`), not copies.
@@ -32,6 +36,7 @@ from adaflash_hf.cli import (
     run_online,
     torch_dtype,
 )
+from adaflash_hf.machine import machine_info, machine_summary
 from adaflash_hf.utils import write_jsonl, write_text_atomic
 
 from . import demo as demo_data
@@ -131,14 +136,15 @@ def demo(args) -> int:
         answer = tokenizer.decode(samples[domain], skip_special_tokens=True)
         print(f"\n[{domain}] ...{prompts[-1][-200:]!s}\n  -> {answer[:300]!s}")
     summary = demo_data.demo_records(records, {domain: len(t) for domain, t in chosen.items()}, method)
-    print("\n" + demo_data.markdown(summary))
+    machine = machine_info()
+    print(f"\nmachine: {machine_summary(machine)}\n\n" + demo_data.markdown(summary))
     speedups = [r.speedup for r in summary]
     print(
         f"\nmean speedup {sum(speedups) / len(speedups):.2f}x ({args.dtype}, {target.device}, batch 1, greedy); "
         f"outputs identical to plain generate(): {sum(r.identical for r in summary)}/{sum(r.n for r in summary)}"
     )
     if args.json:
-        write_jsonl(args.json, (asdict(r) for r in summary))
+        write_jsonl(args.json, ({**asdict(r), "machine": machine} for r in summary))
     return 0
 
 
@@ -150,8 +156,6 @@ def bench(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from adaflash_hf.utils import write_json_atomic
-
     from .bench import harness, report
 
     quick = {"batch_sizes": "1,8", "max_new_tokens": 64}
@@ -161,14 +165,20 @@ def bench(args) -> int:
             setattr(args, name, default)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     texts = chosen_prompts(args, default_per_domain=8 if args.quick else 16)
-    say_whole_batches(texts, batch_sizes)
+    try:
+        plan = harness.plan_batches(texts, batch_sizes)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    for group in plan:
+        if group.pooled_from:
+            print(group.describe(), file=sys.stderr)
     target, tokenizer, drafter = load_demo_models(args)
     assistant = None
     if args.assistant_model:  # a small autoregressive model of the target's tokenizer, for `hf_assisted`
         assistant = AutoModelForCausalLM.from_pretrained(args.assistant_model, dtype=torch_dtype(args.dtype))
         assistant = assistant.to(torch.device(args.device)).eval()
     chosen = _rendered(tokenizer, texts)
-    steps = sum(len(t) // b for t in chosen.values() for b in batch_sizes) * args.repeats
+    steps = sum(len(group.batches) for group in plan) * args.repeats
     with tqdm(total=steps, desc="bench", unit="batch", file=sys.stderr) as progress:
         records = harness.run_benchmark(
             target,
@@ -182,10 +192,11 @@ def bench(args) -> int:
             repeats=args.repeats,
             progress=progress,
         )
-    table = report.markdown_table(records) + "\n\n" + report.summary_tables(records)
+    machine = machine_info()
+    table = report.markdown_report(records, machine)
     print(table)
     if args.json:
-        write_json_atomic(args.json, harness.records_as_dicts(records), indent=2)
+        report.write_results(args.json, records, machine)
     if args.markdown:
         write_text_atomic(args.markdown, table + "\n")
     if args.plots:
@@ -193,21 +204,6 @@ def bench(args) -> int:
         for path in report.plot_records(records, args.plots):
             print(f"wrote {path}")
     return 0
-
-
-def say_whole_batches(prompts: dict[str, list[str]], batch_sizes: list[int]) -> None:
-    """Says, per batch size, how many prompts run when a domain's count is not a multiple of it: the benchmark
-    batches each domain's prompts in whole batches only, since a smaller last batch would be timed as a full one."""
-    total = sum(map(len, prompts.values()))
-    for size in batch_sizes:
-        left = {domain: len(texts) % size for domain, texts in prompts.items() if len(texts) % size}
-        if left:
-            counts = ", ".join(f"{domain} {n}" for domain, n in left.items())
-            print(
-                f"batch {size}: {total - sum(left.values())} of the {total} prompts, in whole batches of each domain "
-                f"(left out: {counts})",
-                file=sys.stderr,
-            )
 
 
 # ---------------------------------------------------------------------------------------------- online
@@ -255,7 +251,7 @@ def build_parser():
     demo_parser = commands.add_parser("demo", help="plain generate() vs AdaFlash, prompt by prompt" + models)
     add_model_arguments(demo_parser, required=False)
     _add_prompt_arguments(demo_parser, "4")
-    demo_parser.add_argument("--json", help="write one JSON record per domain here")
+    demo_parser.add_argument("--json", help="write one JSON record per domain here, each naming the machine")
     demo_parser.add_argument(
         "--method",
         choices=ADAFLASH_METHODS,
@@ -278,8 +274,8 @@ def build_parser():
         help="reduced defaults: batch 1 and 8, 8 shipped prompts per domain, 64 tokens (a --prompts file still runs "
         "whole)",
     )
-    bench_parser.add_argument("--json", help="write the records here")
-    bench_parser.add_argument("--markdown", help="write the table here")
+    bench_parser.add_argument("--json", help="write the machine and the records here")
+    bench_parser.add_argument("--markdown", help="write the machine and the tables here")
     bench_parser.add_argument("--plots", help="write PNG plots into this folder")
     bench_parser.set_defaults(func=bench)
 

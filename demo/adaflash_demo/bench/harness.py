@@ -144,6 +144,72 @@ def available_methods(methods, batch_size: int, drafter=None, ar_draft=None) -> 
     return usable
 
 
+POOLED = "pooled"  # the domain label of a batch size's group of pooled domains: "pooled(code+docs+...)"
+
+
+@dataclass
+class BatchGroup:
+    """The prompts one batch size serves as one group of records: one domain's, or the pool of the domains that
+    cannot fill a batch of that size on their own (``pooled_from`` names them)."""
+
+    domain: str
+    batch_size: int
+    prompts: list[str]
+    pooled_from: tuple[str, ...] = ()
+
+    @property
+    def batches(self) -> list[list[str]]:
+        """Whole batches only: the last ``len(prompts) % batch_size`` prompts are left out, never a short batch,
+        whose padding and size would not be the batch size measured."""
+        size = self.batch_size
+        return [self.prompts[i : i + size] for i in range(0, len(self.prompts) - size + 1, size)]
+
+    def describe(self) -> str:
+        """What a pooled group is, for the log: which domains, how many prompts, how many batches."""
+        used = len(self.batches) * self.batch_size
+        left_out = f", {len(self.prompts) - used} left out" if used < len(self.prompts) else ""
+        batches = f"{len(self.batches)} batch" + ("" if len(self.batches) == 1 else "es")
+        return (
+            f"batch {self.batch_size}: too few prompts per domain to fill a batch; the {len(self.prompts)} prompts of "
+            f"{', '.join(self.pooled_from)} are pooled, interleaved, into {self.domain!r} ({batches} of "
+            f"{self.batch_size}{left_out})"
+        )
+
+
+def plan_batches(prompts_by_domain: dict[str, list[str]], batch_sizes) -> list[BatchGroup]:
+    """The groups `run_benchmark` serves, batch size by batch size: each domain with at least ``batch_size`` prompts
+    on its own, and the domains with fewer pooled into one group (labelled ``pooled(a+b+...)``, their prompts
+    interleaved, one of each domain in turn, so each batch mixes them and the prompts a last partial batch leaves out
+    come from every domain); when those together still cannot fill a batch, every domain joins the pool. No batch
+    size yields a record measured on no batch at all.
+
+    Raises ValueError, before anything runs, when all the prompts together cannot fill one batch, naming the fix."""
+    groups = []
+    for batch_size in batch_sizes:
+        if batch_size < 1:
+            raise ValueError(f"batch size {batch_size}: give batch sizes of at least 1")
+        short = [domain for domain, prompts in prompts_by_domain.items() if len(prompts) < batch_size]
+        if short and sum(len(prompts_by_domain[domain]) for domain in short) < batch_size:
+            short = list(prompts_by_domain)  # too few even together: every domain joins the pool
+        groups += [
+            BatchGroup(domain, batch_size, list(prompts))
+            for domain, prompts in prompts_by_domain.items()
+            if domain not in short
+        ]
+        if not short:
+            continue
+        columns = itertools.zip_longest(*(prompts_by_domain[domain] for domain in short))
+        pool = [prompt for column in columns for prompt in column if prompt is not None]
+        if len(pool) < batch_size:
+            counts = ", ".join(f"{domain} {len(prompts_by_domain[domain])}" for domain in short)
+            raise ValueError(
+                f"batch size {batch_size} cannot be filled: {counts} prompts, {len(pool)} even pooled; give smaller "
+                "batch sizes, or more prompts (--prompts-per-domain, or a larger --prompts file)"
+            )
+        groups.append(BatchGroup(f"{POOLED}({'+'.join(short)})", batch_size, pool, tuple(short)))
+    return groups
+
+
 def run_benchmark(
     target,
     tokenizer,
@@ -158,60 +224,54 @@ def run_benchmark(
     progress=None,
     on_output=None,
 ) -> list[BenchRecord]:
-    """Runs every usable method on every domain and batch size, interleaving methods batch by batch. Each domain's
-    prompts run in whole batches: a last partial batch is left out, and a domain with fewer prompts than a batch size
-    gets no record at that size.
+    """Runs every usable method on every group of `plan_batches` (each domain at each batch size, the domains too
+    small for a batch size pooled), interleaving methods batch by batch.
 
     ``on_output(domain, method, rows)``, if given, receives each call's generated token ids per row.
     """
     dtype = str(target.dtype).replace("torch.", "")
     counter = ForwardCounter(target)
     records = []
-    for domain, prompts in prompts_by_domain.items():
-        for batch_size in batch_sizes:
-            usable = available_methods(methods, batch_size, drafter, ar_draft)
-            tallies = {m: _Tally() for m in usable}
-            batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
-            if not batches:  # fewer prompts than one batch: nothing measured, no record (the command says so)
-                continue
-            for step, (_, batch) in enumerate(itertools.product(range(repeats), batches)):
-                inputs = tokenizer(batch, return_tensors="pt", padding=True).to(target.device)
-                rotation = usable[step % len(usable) :] + usable[: step % len(usable)]
-                outputs = {
-                    method: _timed_generate(
-                        target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tallies[method]
-                    )
-                    for method in rotation
-                }
-                for method, rows in outputs.items():
-                    tallies[method].identical += sum(r == p for r, p in zip(rows, outputs.get("plain", ())))
-                    if on_output is not None:
-                        on_output(domain, method, rows)
-                if progress is not None:
-                    progress.update(1)
-            plain_speed = _speed(tallies.get("plain"))
-            for method, tally in tallies.items():
-                speed = _speed(tally)
-                records.append(
-                    BenchRecord(
-                        method=method,
-                        batch_size=batch_size,
-                        domain=domain,
-                        dtype=dtype,
-                        tokens_per_s=speed,
-                        speedup=speed / plain_speed if plain_speed else float("nan"),
-                        mean_acceptance_length=(tally.tokens - tally.rows) / max(tally.row_forwards, 1),
-                        verified_per_emitted=tally.processed / max(tally.tokens - tally.rows, 1),
-                        identical_fraction=tally.identical / max(tally.rows, 1)
-                        if "plain" in tallies
-                        else float("nan"),
-                        emitted_tokens=tally.tokens,
-                        seconds=tally.seconds,
-                        padding_fraction=1 - tally.real_verified / tally.padded_verified
-                        if tally.padded_verified
-                        else float("nan"),
-                    )
+    for group in plan_batches(prompts_by_domain, batch_sizes):
+        domain, batch_size = group.domain, group.batch_size
+        usable = available_methods(methods, batch_size, drafter, ar_draft)
+        tallies = {m: _Tally() for m in usable}
+        for step, (_, batch) in enumerate(itertools.product(range(repeats), group.batches)):
+            inputs = tokenizer(batch, return_tensors="pt", padding=True).to(target.device)
+            rotation = usable[step % len(usable) :] + usable[: step % len(usable)]
+            outputs = {
+                method: _timed_generate(
+                    target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tallies[method]
                 )
+                for method in rotation
+            }
+            for method, rows in outputs.items():
+                tallies[method].identical += sum(r == p for r, p in zip(rows, outputs.get("plain", ())))
+                if on_output is not None:
+                    on_output(domain, method, rows)
+            if progress is not None:
+                progress.update(1)
+        plain_speed = _speed(tallies.get("plain"))
+        for method, tally in tallies.items():
+            speed = _speed(tally)
+            records.append(
+                BenchRecord(
+                    method=method,
+                    batch_size=batch_size,
+                    domain=domain,
+                    dtype=dtype,
+                    tokens_per_s=speed,
+                    speedup=speed / plain_speed if plain_speed else float("nan"),
+                    mean_acceptance_length=(tally.tokens - tally.rows) / max(tally.row_forwards, 1),
+                    verified_per_emitted=tally.processed / max(tally.tokens - tally.rows, 1),
+                    identical_fraction=tally.identical / max(tally.rows, 1) if "plain" in tallies else float("nan"),
+                    emitted_tokens=tally.tokens,
+                    seconds=tally.seconds,
+                    padding_fraction=1 - tally.real_verified / tally.padded_verified
+                    if tally.padded_verified
+                    else float("nan"),
+                )
+            )
     return records
 
 

@@ -1,9 +1,16 @@
-"""Markdown tables and PNG plots of benchmark records."""
+"""Markdown tables, JSON files and PNG plots of benchmark records, each naming the machine that measured them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import defaultdict
 from pathlib import Path
+
+from adaflash_hf.machine import machine_summary
+from adaflash_hf.utils import write_json_atomic
+
+from .harness import BenchRecord, records_as_dicts
 
 COLUMNS = (
     "method",
@@ -17,6 +24,30 @@ COLUMNS = (
     "identical_fraction",
     "padding_fraction",
 )
+
+
+def write_results(path, records, machine: dict) -> None:
+    """The ``--json`` file: ``{"machine": machine_info(), "records": [...]}``."""
+    write_json_atomic(path, {"machine": machine, "records": records_as_dicts(records)}, indent=2)
+
+
+def read_results(path) -> tuple[dict | None, list[BenchRecord]]:
+    """``(machine, records)`` of a ``--json`` file; files written before the machine was recorded (a bare list of
+    records) give ``machine=None``. Fields a record does not know are skipped, missing ones take their defaults."""
+    payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    machine, rows = (None, payload) if isinstance(payload, list) else (payload.get("machine"), payload["records"])
+    fields = {field.name for field in dataclasses.fields(BenchRecord)}
+    return machine, [BenchRecord(**{key: value for key, value in row.items() if key in fields}) for row in rows]
+
+
+def machine_line(machine: dict | None) -> str:
+    """The line that heads a report: the machine the numbers are from."""
+    return "Machine: " + (machine_summary(machine) if machine else "not recorded")
+
+
+def markdown_report(records, machine: dict | None) -> str:
+    """The ``--markdown`` file and the printed report: the machine, every record, then the summaries."""
+    return f"{machine_line(machine)}\n\n{markdown_table(records)}\n\n{summary_tables(records)}"
 
 
 def _cell(value) -> str:
@@ -33,7 +64,8 @@ def markdown_table(records) -> str:
 def summary_tables(records) -> str:
     """The two summaries of BENCHMARKS.md: batch 1 per domain (tokens/s / speedup / acceptance length, with the
     mean speedup), and the batch sweep averaged over domains."""
-    domains = sorted({r.domain for r in records})
+    # the domains measured at batch 1: a larger batch size's pooled group is no column of it
+    domains = sorted({r.domain for r in records if r.batch_size == 1})
     batch_one = defaultdict(dict)
     for r in records:
         if r.batch_size == 1:
