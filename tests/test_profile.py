@@ -38,7 +38,7 @@ def test_a_new_process_starts_from_the_file(folder):
     files = list(folder.glob("*.json"))
     assert len(files) == 1 and call.profile == str(files[0]) and not call.profile_loaded
     payload = json.loads(files[0].read_text())
-    assert payload["format"] == PROFILE_FORMAT and payload["key"]["torch"] == torch.__version__
+    assert payload["format"] == PROFILE_FORMAT and payload["key"]["torch_version"] == torch.__version__
     measured = payload["profile"]["cost_tables"]["cpu/torch.float32"]["step_s"]
     assert "1,1" in measured  # the planner measured a plain step first
 

@@ -2,13 +2,12 @@
 
 The drafter borrows the target's LM head (docs/algorithm.md §1.5). With a float32 target on a CPU, that head is the
 drafter's largest cost: over a block's 15 draft positions it reads the whole vocabulary matrix (113 MB for
-SmolLM2's 49152 x 576), about 0.4 of a plain target step at batch 1 on a 2-core CPU, several times the drafter's
-own layers (a draft vocabulary, `AdaFlashConfig.draft_vocab`, cuts it by the vocabulary ratio: 0.07 of a step with
-8,192 rows in the step-cost model of BENCHMARKS.md §3).
+SmolLM2's 49152 x 576), several times the drafter's own layers (a draft vocabulary, `AdaFlashConfig.draft_vocab`,
+cuts it by the vocabulary ratio; the step-cost model of BENCHMARKS.md §3 prices both).
 A bfloat16 copy of the same matrix halves the bytes and can run several times faster; but whether it does depends on
-more than the CPU: on an Intel machine with AMX (an earlier session's measurement) a standalone timing loop projected
-15 positions in 2.8 ms in bfloat16 against 12.8 ms in float32, while inside the decoding loop, between target
-forwards, the same bfloat16 product took 75-84 ms and float32 14-26 ms. So the choice is measured where it is used:
+more than the CPU: on one machine a standalone timing loop found bfloat16 several times faster, while inside the
+decoding loop, between target forwards, the same bfloat16 product was several times slower than float32. So the
+choice is measured where it is used:
 the first calls of each dtype inside generation, alternating, timed per projected position; then the faster one (by
 median, bfloat16 only if it wins by 20%) is kept in the pair's `profile.RuntimeProfile` (`measured.py`), with the
 bfloat16 copy.

@@ -1,12 +1,12 @@
 """A choice between two exact ways of computing the same thing, made by timing both where they run.
 
 Which of two kernels is faster on a CPU cannot be read off the hardware: the draft head's bfloat16 copy of the LM
-head (`draft_head.py`) was 4.6x faster than float32 in a standalone loop on one machine and 3-5x slower inside the
-decoding loop on the same machine; the target's float32 GEMMs on 2-7 tokens (`verify_layout.py`) run 1.4-3x faster
-in one layout than the other inside a forward, which a microbenchmark with the weights in cache does not show. So the
-loop times both where they are used: the first calls of each key alternate between the options (the one timed fewest
-times runs next, so both see the same conditions), and after `trials` timings of each the faster by median is kept
-for the process, the candidate only if it wins by the margin.
+head (`draft_head.py`) was faster than float32 in a standalone loop on one machine and slower inside the decoding
+loop on the same machine; the target's float32 GEMMs on 2-7 tokens (`verify_layout.py`) run faster in one layout
+than the other inside a forward, which a microbenchmark with the weights in cache does not show (BENCHMARKS.md §3).
+So the loop times both where they are used: the first calls of each key alternate between the options (the one timed
+fewest times runs next, so both see the same conditions), and after `trials` timings of each the faster by median is
+kept, the candidate only if it wins by the margin.
 
 Generations in several threads may share a key (transformers' generate() is thread-safe per call), so the
 bookkeeping is locked (with the lock of the `profile.RuntimeProfile` that owns the choice); the timed work itself is

@@ -367,8 +367,8 @@ class VerificationPlanner:
 
     def untimed(self) -> None:
         """Keeps the next observed step out of the cost table: it ran a one-off cost (the draft head's dtype trials
-        of a process's first drafts time bfloat16 products that can cost 5x the float32 ones), and a width is
-        measured once (`width`), so one such step would price that width for the rest of the process."""
+        of a pair's first drafts time bfloat16 products that can cost several times the float32 ones), and a width
+        is measured once (`width`), so one such step would price that width for the rest of the process."""
         self._untimed = True
 
     def observe(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> float:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import threading
 import time
 import warnings
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..draft_vocab_rows import vocab_rows
+from ..machine import machine_info
 from ..utils import write_json_atomic
 from .measured import MeasuredChoice
 from .planner import CostTable
@@ -215,28 +215,11 @@ def _config_digest(model) -> str:
 
 
 def machine_key() -> dict:
-    """What a profile's measurements depend on besides the models: the CPU (its model and flags), the processes'
-    CPUs and torch (its version and threads)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            fields.setdefault(name.strip(), value.strip())  # the first processor's
-    except OSError:
-        pass
-    cpu = fields.get("model name") or platform.processor()
-    if "cpu family" in fields:
-        cpu += f" (family {fields['cpu family']} model {fields.get('model', '?')})"
-    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12]
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "machine": platform.machine(),
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "cpus": cpus,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
+    """What a profile's measurements depend on besides the models: the CPU (model and the ISA that torch's kernels
+    use), the CPUs this process may use, torch (version, threads, BLAS) and the GPUs (`adaflash_hf.machine`)."""
+    info = machine_info()
+    keep = ("vendor", "model_name", "family", "model", "isa", "cpus", "torch_version", "torch_threads", "blas")
+    return {name: info.get(name) for name in (*keep, "cpu_capability", "gpus")}
 
 
 def profile_for(target, drafter) -> RuntimeProfile:

@@ -2,11 +2,10 @@
 
 A verification forward multiplies the ``M = rows x width`` tokens it verifies by every weight matrix of the target.
 A plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small
-``M > 1``, float32 ``linear`` (``x @ W.T``) takes a GEMM path that, on the 2-core AMD EPYC of BENCHMARKS.md §3, made a
-whole SmolLM2-135M forward of 2 tokens cost 1.8x one of 1 token and 3 tokens 2.2x, as much as 8 or 16 tokens
-(2.0-2.3x): verifying two drafts cost as much as verifying fifteen. The same products in the other layout,
-``(W @ x.T).T``, cost 1.2-1.4x a plain step at 2-4 tokens there, and a plain step of 2 rows 0.56x linear's. Which
-layout wins depends on the BLAS library, the CPU and the memory around the forward, so neither is assumed: for each
+``M > 1``, float32 ``linear`` (``x @ W.T``) can take a GEMM path that makes a forward of 2-3 tokens cost as much as
+one of 8 or 16 (BENCHMARKS.md §3: verifying two drafts cost as much as verifying fifteen there), while the same
+products in the other layout, ``(W @ x.T).T``, cost little more than a plain step. Which layout wins depends on
+the BLAS library, the CPU and the memory around the forward, so neither is assumed: for each
 ``M`` in `SMALL_TOKENS`, the first verification forwards alternate between the layouts, timed whole in the loop
 (`measured.py`), and the transposed one is kept, in the pair's `profile.RuntimeProfile`, only if it is at least 10%
 faster; every other forward runs as the model wrote it.
