@@ -64,6 +64,7 @@ def test_formats_reads_only_the_configuration():
     assert {m for m in _graph()["adaflash_hf.formats"]} <= {
         "adaflash_hf.configuration",
         "adaflash_hf.dflash2",
+        "adaflash_hf.draft_vocab_rows",
         "adaflash_hf.schema",
         "adaflash_hf.utils",
     }

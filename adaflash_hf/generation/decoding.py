@@ -85,6 +85,7 @@ class SpeculativeDecoding:
         self.active = torch.arange(batch, device=input_ids.device)  # original row index of each active row
         # new tokens of each row when plain decoding would have stopped it (-1: still running)
         self.stopped_at = torch.full((batch,), -1, dtype=torch.long, device=input_ids.device)
+        self.limit = self.max_new_tokens  # new tokens every row runs to
         eos = generation_config._eos_token_tensor
         self.eos = None if eos is None else eos.to(input_ids.device).flatten()
         self.stop_rule = StopRule(self.eos, stopping_criteria, self.max_new_tokens)
@@ -167,7 +168,7 @@ class SpeculativeDecoding:
     def step(self):
         rows, generator, plan = self.active, self.generator, self.plan
         row_list = rows.tolist()
-        room = self._limit() - (self.lengths[rows] - self.prompt_len) - 1  # drafts each row's budget leaves
+        room = self.limit - (self.lengths[rows] - self.prompt_len) - 1  # drafts each row's budget leaves
         if self.cache.window is not None:
             room = torch.clamp(room, max=self.cache.room(generator.block_size) - 1)
         max_drafts = plan.before_draft(row_list, room)
@@ -207,13 +208,6 @@ class SpeculativeDecoding:
             **predicted,
         )
 
-    def _limit(self) -> int:
-        """New tokens every row runs to: the budget, or, once plain decoding would have stopped every row, the
-        length at which the last one stopped."""
-        if bool((self.stopped_at >= 0).all()):
-            return int(self.stopped_at.max())
-        return self.max_new_tokens
-
     def _padded_rows(self) -> torch.Tensor | None:
         """Active rows that plain decoding has stopped and now pads (``None``: none)."""
         if not self.keep_rows or self.eos is None:
@@ -239,7 +233,7 @@ class SpeculativeDecoding:
             tokens,
             counts,
             self.stopped_at[rows] < 0,
-            self._limit(),
+            self.limit,
         )
         offsets = torch.arange(width, device=tokens.device)
         if features is not None:
@@ -257,9 +251,12 @@ class SpeculativeDecoding:
         if self.streamer is not None:
             self.streamer.put(tokens[0, : int(counts[0])].cpu())
         self.lengths[rows] += counts
-        self.stopped_at[rows[stops]] = self.lengths[rows[stops]] - self.prompt_len
+        if bool(stops.any()):
+            self.stopped_at[rows[stops]] = self.lengths[rows[stops]] - self.prompt_len
+            if bool((self.stopped_at >= 0).all()):  # plain decoding would have stopped every row: none runs longer
+                self.limit = int(self.stopped_at.max())
         if self.keep_rows:
-            leaving = self.lengths[rows] - self.prompt_len >= self._limit()
+            leaving = self.lengths[rows] - self.prompt_len >= self.limit
         else:
             leaving = stops
         if leaving.any():
