@@ -150,6 +150,8 @@ class VerificationPlanner:
         length_head (`bool`): the drafter has a length head: draft-or-plain by the measured rate of drafted steps,
             and the width after drafting from the head's predictions (`refine`).
         lock (*optional*): held while the shared table is updated (the profile's).
+        probe_first (`bool`): start with a probe, as the content of a new call is unknown (the last call's acceptance
+            says little about new prompts); ``False`` decides from the table's prior at once.
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class VerificationPlanner:
         device: torch.device,
         length_head: bool = False,
         lock=None,
+        probe_first: bool = True,
     ):
         self.table = table
         self._lock = contextlib.nullcontext() if lock is None else lock
@@ -177,6 +180,9 @@ class VerificationPlanner:
         self._shadows: dict[int, list] = {}  # row -> [its probe's drafts, drafts matched so far, resolved]
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
         self._probes = 0  # probes this call
+        # whether this call has scored a probe or verified drafts: until then its content is unknown (the last call's
+        # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
+        self._evidence = not probe_first
         self.last_prediction: dict | None = None
         # The probe back-off is about the content being generated, which a new call changes: its prompts may draft
         # well where the last call's did not (a process that served hard prompts first would otherwise wait up to
@@ -249,13 +255,13 @@ class VerificationPlanner:
                 return max_width
             width = min(max_width, PROBE_WIDTH) if full is None else self._best_width(rows, max_width)
             return width
-        if self.length_head:
-            width = 1 if unmeasured else self._draft_or_plain(count, max_width)
-        elif unmeasured:
-            width = 1
+        if unmeasured or not self._evidence:
+            width = 1  # no drafted cost, or nothing yet of this call's content: a probe first (below)
+        elif self.length_head:
+            width = self._draft_or_plain(count, max_width)
         else:
             width = self._best_width(rows, max_width)
-        first = unmeasured and not self._probes  # nothing drafted was ever measured: probe at once
+        first = not self._evidence or (unmeasured and not self._probes)  # nothing known yet: probe at once
         if width == 1 and not self._shadows and (first or self.plain_streak >= table.probe_interval):
             self._shadow_now = True  # a probe: the drafter drafts the block, the target verifies the anchor
             self._probes += 1
@@ -305,12 +311,16 @@ class VerificationPlanner:
             if matched == len(drafts):
                 shadow[2] = True
         gain = self.shadow_gain()
+        if self.length_head and gain is not None:
+            # the probe's estimate replaces what earlier content's drafted steps measured (`_draft_or_plain`)
+            self.table.drafted_speedup[len(self._shadows)] = gain
         if gain is not None and gain > 1.0:
             self._promoted = True  # the block would have paid, even if no more of it matches
         elif all(resolved for _, _, resolved in self._shadows.values()):
             self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
         else:
             return
+        self._evidence = True
         if not self.length_head:  # the geometric model's observations: accepted drafts, then one rejection
             for row, (drafts, matched, resolved) in self._shadows.items():
                 if drafts:  # a row still matching when the probe ended early has seen no rejection yet
@@ -391,6 +401,7 @@ class VerificationPlanner:
         if width == 1:  # a plain step offers no drafts, so it tells nothing about acceptance
             self.plain_streak += 1
             return seconds
+        self._evidence = True
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
         if timed:
             self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
