@@ -184,10 +184,11 @@ class VerificationPlanner:
         # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
         self._evidence = not probe_first
         self.last_prediction: dict | None = None
-        # The probe back-off is about the content being generated, which a new call changes: its prompts may draft
-        # well where the last call's did not (a process that served hard prompts first would otherwise wait up to
-        # `MAX_PROBE_INTERVAL` plain steps before it looks again). The measured costs stay: they are the machine's.
-        table.probe_interval = FIRST_PROBE_INTERVAL
+        # A new call's prompts may draft well where the last call's did not: with `probe_first` its first step is a
+        # probe, so the back-off the last call reached is kept (a never-agreeing drafter then costs one draft a call,
+        # not one per restarted interval). Without it, the back-off starts again. The costs are the machine's: kept.
+        if not probe_first:
+            table.probe_interval = FIRST_PROBE_INTERVAL
 
     # ------------------------------------------------------------------ the loop's StepPlan
 
@@ -402,6 +403,8 @@ class VerificationPlanner:
             self.plain_streak += 1
             return seconds
         self._evidence = True
+        if not timed and self._probing and not self.table.measured(width):
+            self._promoted = True  # the step that was to measure a drafted width ran a one-off cost: measure again
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
         if timed:
             self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
