@@ -135,6 +135,8 @@ class TargetCache:
     def keep(self, kept: torch.Tensor, width: int) -> None:
         """After a verification the cache holds `width` new columns per row; `kept` ``[B, width]`` marks the anchor
         and accepted drafts. Trailing columns no row kept are cropped; the others become masked holes."""
+        if self.window is None and self.mask is None and bool(kept.all()):
+            return  # every column kept (a plain step, or all drafts accepted); a sliding layer trims on crop(0)
         trailing = int((width - kept.sum(-1)).min())
         self.cache.crop(-trailing)
         kept = kept[:, : width - trailing]

@@ -167,25 +167,23 @@ class SpeculativeDecoding:
 
     def step(self):
         rows, generator, plan = self.active, self.generator, self.plan
-        row_list = rows.tolist()
-        room = self.limit - (self.lengths[rows] - self.prompt_len) - 1  # drafts each row's budget leaves
+        row_list, lengths = rows.tolist(), self.lengths[rows]
+        room = self.limit - (lengths - self.prompt_len) - 1  # drafts each row's budget leaves
         if self.cache.window is not None:
             room = torch.clamp(room, max=self.cache.room(generator.block_size) - 1)
         max_drafts = plan.before_draft(row_list, room)
         start = self.recorder.clock()
-        anchors = self.sequences[rows, self.lengths[rows] - 1]
+        anchors = self.sequences[rows, lengths - 1]
         if not bool(max_drafts.gt(0).any()):
             drafts = generator.skip(anchors)  # a plain step: the drafter's context waits for the next draft
         else:
             if generator.draft_head.dtype is None:
                 plan.untimed()  # the draft head still times its dtypes in this draft
-            drafts = generator.draft(
-                anchors, self.next_positions, self.sequences, self.lengths[rows], max_drafts, rows
-            )
+            drafts = generator.draft(anchors, self.next_positions, self.sequences, lengths, max_drafts, rows)
             drafts.num_drafts = plan.after_draft(row_list, drafts)
         drafted = self.recorder.clock()
 
-        history, padded = History(self.sequences, self.lengths[rows], rows), self._padded_rows()
+        history, padded = History(self.sequences, lengths, rows), self._padded_rows()
         if self.tree is not None and bool(drafts.num_drafts.gt(0).any()):
             depth, budget = plan.tree_shape(drafts.num_drafts, room, drafts.logits.shape[1], self.tree.budget)
             verified = self.tree.verify(anchors, drafts, self.next_positions, history, padded, depth, budget)
@@ -224,17 +222,11 @@ class SpeculativeDecoding:
         per row (the verified ids, `features` their drafter context) of which the committed ones stay. Returns the
         counts committed. Rows leave the batch once no output needs them any more.
         """
-        rows = self.active
-        counts, stops = self.stop_rule.cut(
-            self.sequences,
-            self.lengths[rows],
-            self.lengths[rows] - self.prompt_len,
-            rows,
-            tokens,
-            counts,
-            self.stopped_at[rows] < 0,
-            self.limit,
-        )
+        rows, lengths = self.active, self.lengths[self.active]
+        generated = lengths - self.prompt_len
+        running = self.stopped_at[rows] < 0
+        cut = self.stop_rule.cut
+        counts, stops = cut(self.sequences, lengths, generated, rows, tokens, counts, running, self.limit)
         offsets = torch.arange(width, device=tokens.device)
         if features is not None:
             kept = offsets < counts[:, None]  # the anchor and the committed tokens but the last (the next anchor)
@@ -243,20 +235,21 @@ class SpeculativeDecoding:
             self.next_positions = self.next_positions + counts
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         keep = offsets < counts[:, None]
-        columns = (self.lengths[rows, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
+        columns = (lengths[:, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
         self.sequences[rows[:, None].expand_as(columns)[keep], columns[keep]] = tokens[keep]
         for per_row, values in ((self.scores, processed), (self.raw_logits, raw)):
             for slot, row in enumerate(rows.tolist() if per_row is not None else ()):
                 per_row[row].extend(values[slot, : int(counts[slot])])
         if self.streamer is not None:
             self.streamer.put(tokens[0, : int(counts[0])].cpu())
-        self.lengths[rows] += counts
+        lengths = lengths + counts
+        self.lengths[rows] = lengths
         if bool(stops.any()):
-            self.stopped_at[rows[stops]] = self.lengths[rows[stops]] - self.prompt_len
+            self.stopped_at[rows[stops]] = lengths[stops] - self.prompt_len
             if bool((self.stopped_at >= 0).all()):  # plain decoding would have stopped every row: none runs longer
                 self.limit = int(self.stopped_at.max())
         if self.keep_rows:
-            leaving = self.lengths[rows] - self.prompt_len >= self.limit
+            leaving = lengths - self.prompt_len >= self.limit
         else:
             leaving = stops
         if leaving.any():
