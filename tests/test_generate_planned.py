@@ -250,9 +250,9 @@ def test_a_new_call_probes_at_once_and_keeps_the_measured_costs(drafted_speedup)
     # the last call's prompts, hard or easy, say little about this call's: it probes first, and the probe's block
     # decides; the measured costs and the probes' back-off stay
     costs = {(1, 1): 1.0, (1, 2): 1.4}
-    table = CostTable(step_s=dict(costs), drafted_speedup={1: drafted_speedup}, probe_interval=16)
+    table = CostTable(step_s=dict(costs), drafted_speedup={1: drafted_speedup}, probe_interval=256)
     planner = VerificationPlanner(table, block_size=16, batch_size=1, device=torch.device("cpu"), length_head=True)
-    assert table.probe_interval == 16
+    assert table.probe_interval == planner_module.CALL_PROBE_INTERVAL  # kept, up to a bound
     assert table.step_s == costs and table.drafted_speedup == {1: drafted_speedup}
     history = _drive(planner, planner_module.FIRST_PROBE_INTERVAL + 2, agrees=lambda step: False, costs=costs)
     assert history[0] == (True, 1)  # a probe: the block drafted, only the anchor verified

@@ -67,6 +67,7 @@ FIRST_PROBE_INTERVAL = 4
 # measures the cheapest drafted width, from which wider ones are explored one at a time (`width`).
 PROBE_WIDTH = 2
 MAX_PROBE_INTERVAL = 256
+CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 
 
 @dataclass
@@ -185,10 +186,10 @@ class VerificationPlanner:
         self._evidence = not probe_first
         self.last_prediction: dict | None = None
         # A new call's prompts may draft well where the last call's did not: with `probe_first` its first step is a
-        # probe, so the back-off the last call reached is kept (a never-agreeing drafter then costs one draft a call,
-        # not one per restarted interval). Without it, the back-off starts again. The costs are the machine's: kept.
-        if not probe_first:
-            table.probe_interval = FIRST_PROBE_INTERVAL
+        # probe, and the back-off the last call reached is kept up to `CALL_PROBE_INTERVAL`, so that one unlucky
+        # first probe does not leave a call that drafts well plain to its end, while a never-agreeing drafter costs a
+        # few drafts a call. Without it, the back-off starts again. The costs are the machine's: kept.
+        table.probe_interval = min(table.probe_interval, CALL_PROBE_INTERVAL) if probe_first else FIRST_PROBE_INTERVAL
 
     # ------------------------------------------------------------------ the loop's StepPlan
 
