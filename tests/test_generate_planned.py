@@ -369,3 +369,16 @@ def test_the_planner_with_a_length_head_is_exact():
             out, stats = _generate(target, drafter, ids, mask, None)
             assert rows_of(out, prompts) == references
     assert any(step.verify_width > 1 for step in stats.steps)
+
+
+def test_a_probe_with_no_room_to_draft_is_timed_as_the_plain_step_it_was():
+    planner = _planner({(1, 1): 1.0, (1, 2): 1.2}, acceptance=0.05)
+    planner.table.draft_s = {1: 0.2}
+    planner.plain_streak = planner.table.probe_interval  # a probe is due
+    assert planner.before_draft([0], torch.tensor([0])).tolist() == [0]  # the token budget leaves no draft
+    verified = SimpleNamespace(
+        width=1, accepted=torch.tensor([0]), depth=torch.tensor([0]), committed=torch.tensor([[5]])
+    )
+    planner.after_verify([0], verified, torch.tensor([1]))
+    assert planner.table.draft_s == {1: 0.2}  # no draft ran: its cost is not measured from this step
+    assert planner.table.step_s[(1, 1)] != 1.0  # the step is priced as the plain step it was

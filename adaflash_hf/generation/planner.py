@@ -178,6 +178,7 @@ class VerificationPlanner:
         self._probing = False
         self._untimed = False
         self._shadow_now = False  # this step is a probe: the drafter drafts, the target verifies the anchor only
+        self._shadow_drafted = False  # and the drafter did draft (no row's budget left room: a plain step)
         self._shadows: dict[int, list] = {}  # row -> [its probe's drafts, drafts matched so far, resolved]
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
         self._probes = 0  # probes this call
@@ -199,6 +200,7 @@ class VerificationPlanner:
 
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
         if self._shadow_now:  # a probe: keep the drafts to score, verify none
+            self._shadow_drafted = True
             for slot, row in enumerate(rows):
                 self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False]
             return torch.zeros_like(drafts.num_drafts)
@@ -247,7 +249,7 @@ class VerificationPlanner:
         count, table = len(rows), self.table
         max_width = max(1, min(max_width, self.block_size))
         plain, full = table.cost(count, 1), table.cost(count, max_width)
-        self._probing, self._shadow_now, self.last_prediction = False, False, None
+        self._probing, self._shadow_now, self._shadow_drafted, self.last_prediction = False, False, False, None
         if plain is None or max_width == 1:
             return 1  # measure a plain step first: every other choice is compared with it
         unmeasured = (table.drafting_speedup(count) if self.length_head else full) is None
@@ -392,7 +394,7 @@ class VerificationPlanner:
 
     def _observe(self, rows, width, accepted, offered, seconds) -> float:
         timed, self._untimed = not self._untimed, False
-        if self._shadow_now:  # a plain step plus a draft: what it adds to a plain step is the draft's cost
+        if self._shadow_drafted:  # a plain step plus a draft: what it adds to a plain step is the draft's cost
             plain = self.table.cost(len(rows), 1)
             # a draft that timed the head's dtypes costs more than later ones: taken only while nothing better is known
             if plain is not None and (timed or len(rows) not in self.table.draft_s):
