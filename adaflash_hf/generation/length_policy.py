@@ -26,7 +26,7 @@ lengths the candidate generator applies as it drafts, and the planner (`planner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -40,11 +40,6 @@ class LengthPolicy:
     length_rate: float = 1.3
     min_candidate_length: int = 1
     confidence_threshold: float = 0.3
-
-    @classmethod
-    def from_config(cls, drafter_config) -> LengthPolicy:
-        """The drafter config's own policy (per-call overrides: `options.AdaFlashGenerationOptions`)."""
-        return cls(**{field.name: getattr(drafter_config, field.name) for field in fields(cls)})
 
     def problems(self, drafter_config, prefix: str = "") -> list[str]:
         """What is wrong with this policy for the drafter; empty when nothing is."""
