@@ -233,10 +233,13 @@ class SpeculativeDecoding:
             self.cache.keep(kept, width)
             self.generator.add_context(features, self.next_positions[:, None] + offsets, kept)
             self.next_positions = self.next_positions + counts
-        offsets = torch.arange(tokens.shape[1], device=tokens.device)
-        keep = offsets < counts[:, None]
-        columns = (lengths[:, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
-        self.sequences[rows[:, None].expand_as(columns)[keep], columns[keep]] = tokens[keep]
+        if tokens.shape[1] == 1 and bool(counts.eq(1).all()):  # a plain step: one token per row
+            self.sequences[rows, lengths] = tokens[:, 0]
+        else:
+            offsets = torch.arange(tokens.shape[1], device=tokens.device)
+            keep = offsets < counts[:, None]
+            columns = (lengths[:, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
+            self.sequences[rows[:, None].expand_as(columns)[keep], columns[keep]] = tokens[keep]
         for per_row, values in ((self.scores, processed), (self.raw_logits, raw)):
             for slot, row in enumerate(rows.tolist() if per_row is not None else ()):
                 per_row[row].extend(values[slot, : int(counts[slot])])

@@ -118,21 +118,43 @@ def process_positions(
             logits = processors(sequences[:1].expand(flat.shape[0], -1), flat).view_as(logits)
         return logits, (choose(logits.flatten(0, 1)).view(batch, width) if choose else None)
 
+    # the whole batch, in order, at one length: plain decoding's own call (every plain step at batch 1)
     if rows is None:
         rows = torch.arange(batch, device=sequences.device)
+    whole = batch == sequences.shape[0] and bool((rows == torch.arange(batch, device=rows.device)).all())
+    lengths_list = lengths.tolist()
+    if whole and len(set(lengths_list)) == 1:
+        return _process_whole_batch(processors, sequences, lengths_list[0], logits, tokens, choose)
     chosen = torch.empty(batch, width, dtype=torch.long, device=logits.device) if choose else None
     following = chosen if choose else tokens
-    # scratch copy of the batch; each row grows by the tokens of the positions processed so far
-    ids = torch.cat([sequences, sequences.new_zeros(sequences.shape[0], width)], dim=1)
+    ids = sequences  # grown into a scratch copy once a position needs the tokens before it
     for i in range(width):
+        if i == 1:
+            ids = torch.cat([sequences, sequences.new_zeros(sequences.shape[0], width)], dim=1)
         if i:
             ids[rows, lengths + i - 1] = following[:, i - 1]
-        seen = lengths + i
-        for length in seen.unique().tolist():
-            members = (seen == length).nonzero().squeeze(-1)
+        seen = [length + i for length in lengths_list]
+        for length in sorted(set(seen)):
+            members = (lengths + i == length).nonzero().squeeze(-1)
             scores = logits.new_zeros(sequences.shape[0], logits.shape[-1])
             scores[rows[members]] = logits[members, i]
             logits[members, i] = processors(ids[:, :length], scores)[rows[members]]
             if choose:
                 chosen[members, i] = choose(logits[members, i])
+    return logits, chosen
+
+
+def _process_whole_batch(processors, sequences, length, logits, tokens, choose):
+    """`process_positions` when every row of the batch is present, in order, at one length: each position is one
+    call on the whole batch, as plain decoding makes it, with no scattering of rows."""
+    batch, width = logits.shape[:2]
+    chosen = torch.empty(batch, width, dtype=torch.long, device=logits.device) if choose else None
+    following = chosen if choose else tokens
+    ids = sequences[:, :length]
+    for i in range(width):
+        if i:
+            ids = torch.cat([ids, following[:, i - 1 : i]], dim=1)
+        logits[:, i] = processors(ids, logits[:, i])
+        if choose:
+            chosen[:, i] = choose(logits[:, i])
     return logits, chosen

@@ -41,10 +41,9 @@ class StopRule:
         (stopped rows that stay in the batch only pad); ``limit``: the new tokens every row runs to."""
         counts = torch.minimum(counts, limit - generated)
         stops = running & (generated + counts >= self.max_new_tokens)
-        if self.eos is not None:
-            is_eos = torch.isin(tokens, self.eos) & (
-                torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
-            )
+        is_eos = None if self.eos is None else torch.isin(tokens, self.eos)
+        if is_eos is not None and bool(is_eos.any()):  # most steps commit no EOS at all
+            is_eos &= torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
             hit = is_eos.any(-1) & running
             counts = torch.where(hit, is_eos.int().argmax(-1) + 1, counts)
             stops |= hit

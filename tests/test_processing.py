@@ -1,0 +1,63 @@
+"""`process_positions` against a reference that processes each row alone, one position at a time."""
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+)
+
+from adaflash_hf.generation.processing import process_positions
+
+VOCAB = 12
+
+
+def _processors():
+    return LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(1.7), NoRepeatNGramLogitsProcessor(2), TemperatureLogitsWarper(0.8)]
+    )
+
+
+def _reference(sequences, lengths, logits, tokens, rows):
+    """Row by row, position by position: what plain decoding computes for each row's ids."""
+    expected = logits.clone()
+    for b, row in enumerate(rows.tolist()):
+        ids = sequences[row : row + 1, : int(lengths[b])]
+        for i in range(logits.shape[1]):
+            expected[b, i] = _processors()(ids, logits[b, i][None].clone())[0]
+            ids = torch.cat([ids, tokens[b, i : i + 1][None]], dim=1)
+    return expected
+
+
+def _case(seed, batch, width, lengths):
+    generator = torch.Generator().manual_seed(seed)
+    sequences = torch.randint(0, VOCAB, (batch, 16), generator=generator)
+    logits = torch.randn(len(lengths), width, VOCAB, generator=generator)
+    tokens = torch.randint(0, VOCAB, (len(lengths), width), generator=generator)
+    return sequences, torch.tensor(lengths), logits, tokens
+
+
+def test_whole_batch_at_one_length_matches_rows_alone():
+    for width in (1, 4):
+        sequences, lengths, logits, tokens = _case(width, 3, width, [9, 9, 9])
+        got, _ = process_positions(_processors(), sequences, lengths, logits.clone(), tokens=tokens)
+        expected = _reference(sequences, lengths, logits, tokens, torch.arange(3))
+        torch.testing.assert_close(got, expected)
+
+
+def test_ragged_lengths_and_a_subset_of_rows_match_rows_alone():
+    for rows, lengths in (([0, 1, 2], [7, 9, 11]), ([2, 0], [10, 10]), ([1], [8])):
+        sequences, lengths_t, logits, tokens = _case(len(rows), 3, 3, lengths)
+        rows_t = torch.tensor(rows)
+        got, _ = process_positions(_processors(), sequences, lengths_t, logits.clone(), tokens=tokens, rows=rows_t)
+        torch.testing.assert_close(got, _reference(sequences, lengths_t, logits, tokens, rows_t))
+
+
+def test_chosen_tokens_feed_the_next_position():
+    sequences, lengths, logits, _ = _case(5, 2, 4, [6, 6])
+    got, chosen = process_positions(
+        _processors(), sequences, lengths, logits.clone(), choose=lambda x: x.argmax(dim=-1)
+    )
+    torch.testing.assert_close(got, _reference(sequences, lengths, logits, chosen, torch.arange(2)))
+    assert torch.equal(chosen, got.argmax(-1))
