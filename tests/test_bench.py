@@ -6,7 +6,7 @@ import math
 import pytest
 from helpers import tiny_drafter, tiny_target
 
-from adaflash_demo.bench.harness import METHODS, run_benchmark
+from adaflash_demo.bench.harness import METHODS, run_benchmark, speedup_interval
 from adaflash_hf.machine import machine_summary
 
 
@@ -35,6 +35,8 @@ def test_harness_records_every_usable_method(word_tokenizer):
     for record in records:
         assert record.identical_fraction == 1.0 and record.dtype == "float32"
         assert record.tokens_per_s > 0 and not math.isnan(record.speedup)
+        assert record.calls == 4 // record.batch_size  # every batch of the domain timed once
+        assert record.speedup_low <= record.speedup <= record.speedup_high
     plain = next(r for r in records if r.method == "plain" and r.batch_size == 1)
     assert plain.speedup == 1.0 and abs(plain.mean_acceptance_length - 1.0) < 1e-9
     fixed = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 1)
@@ -215,3 +217,25 @@ def test_results_json_carries_the_machine_and_older_files_still_read(tmp_path):
     assert old_machine is None and old_record.method == "plain" and math.isnan(old_record.padding_fraction)
     assert markdown_report([old_record], None).startswith("Machine: not recorded\n\n| method |")
     assert markdown_report([record], machine).splitlines()[0] == "Machine: " + machine_summary(machine)
+
+
+def test_speedup_interval_is_a_paired_bootstrap_over_batches():
+    plain = [(64, 1.0), (64, 2.0), (60, 1.5), (64, 1.2)]
+    # the same work, twice as fast on every batch: no spread at all
+    lo, hi = speedup_interval([(t, s / 2) for t, s in plain], plain)
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    # noisy pairs: the interval holds the group's ratio and widens with the noise
+    noisy = [(t, s * f) for (t, s), f in zip(plain, (0.9, 1.1, 0.95, 1.05))]
+
+    def speed(calls):
+        return sum(t for t, _ in calls) / sum(s for _, s in calls)
+
+    point = speed(noisy) / speed(plain)
+    lo, hi = speedup_interval(noisy, plain)
+    assert lo < point < hi and hi - lo > 0.05
+    louder = [(t, s * f) for (t, s), f in zip(plain, (0.7, 1.3, 0.8, 1.2))]
+    lo2, hi2 = speedup_interval(louder, plain)
+    assert hi2 - lo2 > hi - lo
+    # one batch, or calls that do not pair up: no interval
+    assert all(math.isnan(x) for x in speedup_interval(plain[:1], plain[:1]))
+    assert all(math.isnan(x) for x in speedup_interval(plain[:3], plain))

@@ -8,15 +8,18 @@ Each method is a way to call ``target.generate``; all are measured by the same i
   after the prefill) and the processed tokens per emitted token;
 * the outputs compared with plain greedy generation row by row (fp32 is exact; other dtypes are reported as they are);
 * for our loop, `adaflash_hf.record_stats()`: the share of verified positions that are padding (rows padded to the
-  widest row of a step), which the forward counter cannot tell from real drafts.
+  widest row of a step), which the forward counter cannot tell from real drafts;
+* each speedup with its 95% interval (`speedup_interval`): runs of identical work differ by several percent on a
+  shared CPU, so a cell's speedup is only as good as the batches behind it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import GenerationConfig
@@ -54,6 +57,10 @@ class BenchRecord:
     emitted_tokens: int
     seconds: float
     padding_fraction: float = float("nan")  # verified positions of our loop that were padding (nan: not our loop)
+    # the speedup's 95% interval (`speedup_interval`) and the timed calls behind it
+    speedup_low: float = float("nan")
+    speedup_high: float = float("nan")
+    calls: int = 0
 
 
 @dataclass
@@ -66,6 +73,7 @@ class _Tally:
     rows: int = 0
     real_verified: int = 0  # our loop: tokens rows really verified (anchor + drafts, or tree nodes)
     padded_verified: int = 0  # our loop: rows x width over its steps
+    calls: list = field(default_factory=list)  # (tokens, seconds) of each timed call, in the group's batch order
 
 
 class ForwardCounter:
@@ -254,6 +262,7 @@ def run_benchmark(
         plain_speed = _speed(tallies.get("plain"))
         for method, tally in tallies.items():
             speed = _speed(tally)
+            low, high = speedup_interval(tally.calls, tallies["plain"].calls) if "plain" in tallies else (nan, nan)
             records.append(
                 BenchRecord(
                     method=method,
@@ -270,9 +279,36 @@ def run_benchmark(
                     padding_fraction=1 - tally.real_verified / tally.padded_verified
                     if tally.padded_verified
                     else float("nan"),
+                    speedup_low=low,
+                    speedup_high=high,
+                    calls=len(tally.calls),
                 )
             )
     return records
+
+
+nan = float("nan")
+
+
+def speedup_interval(calls, plain_calls, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 95% interval of a method's speedup over plain, by a paired bootstrap over the group's batches.
+
+    calls, plain_calls: ``(tokens, seconds)`` per timed call, the method's and plain's on the same batches in the same
+    order (the benchmark interleaves them batch by batch). The speedup is the ratio of the two throughputs over the
+    whole group (tokens over seconds, summed), as the record reports it; resampling batches, not calls of one method
+    alone, keeps each batch's pairing, so what the interval measures is how much the ratio depends on which batches
+    were drawn and on the noise each pair of calls met. ``(nan, nan)`` with fewer than two batches."""
+    if len(calls) != len(plain_calls) or len(calls) < 2:
+        return nan, nan
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        drawn = [rng.randrange(len(calls)) for _ in calls]
+        tokens, seconds = sum(calls[i][0] for i in drawn), sum(calls[i][1] for i in drawn)
+        plain_tokens, plain_seconds = sum(plain_calls[i][0] for i in drawn), sum(plain_calls[i][1] for i in drawn)
+        ratios.append((tokens / seconds) / (plain_tokens / plain_seconds))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def _speed(tally) -> float:
@@ -293,6 +329,7 @@ def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, c
         raise RuntimeError(f"GenerationConfig dropped {sorted(missing)}; the method would not run as named")
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     ours = method.startswith("adaflash_")
+    before = tally.seconds
     with counter.counting(), record_stats() if ours else contextlib.nullcontext() as stats:
         sync()
         start = time.perf_counter()
@@ -308,6 +345,7 @@ def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, c
     rows = [cut_after_eos(row, config) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]
     tally.tokens += sum(map(len, rows))
     tally.rows += len(rows)
+    tally.calls.append((sum(map(len, rows)), tally.seconds - before))
     return rows
 
 

@@ -6,9 +6,16 @@ take plainly is a loss. Two measurements on the shipped held-out prompts, float3
 * ``--count``: what the loop spends, counted, not timed: tokens verified beyond the anchor, drafter forwards, and
   their share of the time priced with the pair's measured costs (the runtime profile's draft and plain-step costs);
 * ``--time``: plain ``generate()`` and the planner interleaved prompt by prompt (order alternating), every prompt
-  generating exactly ``--max-new-tokens``: the ratio of their times per token, with its spread.
+  generating exactly ``--max-new-tokens``: the ratio of their times per token, with its spread;
+* ``--overhead``: where a token's time goes, plain ``generate()`` and the planner interleaved: the target's forwards
+  (timed by hooks), the drafter's drafts (the loop's own step records) and the rest, the decoding loop's own work.
+  The forwards dominate a step and carry most of the noise of a shared machine; the loop's own share is what the
+  planner's plain steps cost over transformers' ``_sample`` steps, measured apart from it.
 
-    python -m adaflash_demo.bench.never_agreeing --count --time --prompts-per-domain 4
+    python -m adaflash_demo.bench.never_agreeing --count --time --overhead --prompts-per-domain 4
+
+``--save-drafter FOLDER`` only saves the never-agreeing drafter, for the side-by-side benchmark
+(``adaflash-demo bench --drafter FOLDER``).
 """
 
 from __future__ import annotations
@@ -88,14 +95,67 @@ def timed(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
     return {"calls": len(ratios), "ratio_mean": mean, "ratio_sd": spread, "ratio_95": half_width}
 
 
+def overhead(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
+    plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    ours = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, adaflash_length_policy="planned")
+    starts, inside = [], [0.0]
+
+    def enter(*_):
+        starts.append(time.perf_counter())
+
+    def leave(*_):
+        inside[0] += time.perf_counter() - starts.pop()
+
+    hooks = [target.register_forward_pre_hook(enter), target.register_forward_hook(leave)]
+    totals = {kind: {"tokens": 0, "seconds": 0.0, "forward_s": 0.0, "draft_s": 0.0} for kind in ("plain", "ours")}
+    for ids in inputs[:2]:  # warm both paths
+        target.generate(**ids, generation_config=ours, assistant_model=drafter)
+        target.generate(**ids, generation_config=plain)
+    for repeat in range(repeats):
+        for ids in inputs:
+            for kind in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
+                inside[0] = 0.0
+                extra = {"assistant_model": drafter} if kind == "ours" else {}
+                with adaflash_hf.record_stats() as stats:
+                    start = time.perf_counter()
+                    out = target.generate(**ids, generation_config=ours if kind == "ours" else plain, **extra)
+                    took = time.perf_counter() - start
+                total = totals[kind]
+                total["tokens"] += out.shape[1] - ids["input_ids"].shape[1]
+                total["seconds"] += took
+                total["forward_s"] += inside[0]
+                total["draft_s"] += sum(step.draft_time_s for step in stats.steps)
+    for hook in hooks:
+        hook.remove()
+    result = {}
+    for kind, total in totals.items():
+        per_token = {key: 1e3 * total[key] / total["tokens"] for key in ("seconds", "forward_s", "draft_s")}
+        loop = per_token["seconds"] - per_token["forward_s"] - per_token["draft_s"]
+        result[kind] = {
+            "ms_per_token": per_token["seconds"],
+            "forward_ms": per_token["forward_s"],
+            "draft_ms": per_token["draft_s"],
+            "loop_ms": loop,
+        }
+    forward = result["plain"]["forward_ms"]
+    result["loop_over_plain_share"] = (result["ours"]["loop_ms"] - result["plain"]["loop_ms"]) / forward
+    result["drafting_share"] = result["ours"]["draft_ms"] / forward
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", action="store_true", help="count what the planner spends")
     parser.add_argument("--time", action="store_true", help="time plain generate() and the planner, interleaved")
+    parser.add_argument("--overhead", action="store_true", help="split a token's time: forwards, drafts, the loop")
+    parser.add_argument("--save-drafter", metavar="FOLDER", help="save the never-agreeing drafter here and stop")
     parser.add_argument("--prompts-per-domain", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.save_drafter:
+        print(random_drafter(args.save_drafter))
+        return 0
     print(f"machine: {machine_summary(machine_info())}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as folder:
         options = SimpleNamespace(
@@ -109,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             print(count(target, tokenizer, drafter, inputs, args.max_new_tokens))
         if args.time:
             print(timed(target, drafter, inputs, args.max_new_tokens, args.repeats))
+        if args.overhead:
+            print(overhead(target, drafter, inputs, args.max_new_tokens, args.repeats))
     return 0
 
 

@@ -23,6 +23,8 @@ COLUMNS = (
     "verified_per_emitted",
     "identical_fraction",
     "padding_fraction",
+    "speedup_95",
+    "calls",
 )
 
 
@@ -54,10 +56,20 @@ def _cell(value) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
+def interval(record) -> str:
+    """A speedup's 95% interval, ``[low, high]`` (``-`` where it could not be computed)."""
+    low, high = record.speedup_low, record.speedup_high
+    return "-" if low != low or high != high else f"[{low:.2f}, {high:.2f}]"
+
+
+def _column(record, column: str) -> str:
+    return interval(record) if column == "speedup_95" else _cell(getattr(record, column))
+
+
 def markdown_table(records) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in sorted(records, key=lambda r: (r.batch_size, r.domain, r.method)):
-        lines.append("| " + " | ".join(_cell(getattr(r, c)) for c in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_column(r, c) for c in COLUMNS) + " |")
     return "\n".join(lines)
 
 
@@ -97,7 +109,8 @@ def summary_tables(records) -> str:
 
 
 def _batch_one_cell(record) -> str:
-    return f"{record.tokens_per_s:.1f} / {record.speedup:.2f}x / {record.mean_acceptance_length:.2f}"
+    speedup = f"{record.speedup:.2f}x" + ("" if interval(record) == "-" else f" {interval(record)}")
+    return f"{record.tokens_per_s:.1f} / {speedup} / {record.mean_acceptance_length:.2f}"
 
 
 def plot_records(records, folder) -> list[Path]:
