@@ -382,3 +382,81 @@ def test_a_probe_with_no_room_to_draft_is_timed_as_the_plain_step_it_was():
     planner.after_verify([0], verified, torch.tensor([1]))
     assert planner.table.draft_s == {1: 0.2}  # no draft ran: its cost is not measured from this step
     assert planner.table.step_s[(1, 1)] != 1.0  # the step is priced as the plain step it was
+
+
+# ------------------------------------------------------------------ probes through the whole loop
+
+
+def _probes(stats) -> int:
+    """Steps whose drafter ran while the target verified the anchor only (the planner's probes)."""
+    return sum(step.verify_width == 1 and step.draft_time_s > 0 for step in stats.steps)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_greedy_stays_exact_with_probes(kind, batch_size):
+    target = tiny_target()
+    prompts = PROMPTS[:batch_size]
+    references = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    ids, mask = left_pad(prompts)
+    if kind == "random":
+        drafter = tiny_drafter(target)
+    else:  # right now and then, so that probes both fail and promote drafting
+        full = [p + r for p, r in zip(prompts, references)]
+        drafter = oracle_drafter(target, full, corrupt=lambda row, anchor: {1} if anchor % 3 == 0 else ())
+    probes = 0
+    for _ in range(2):
+        out, stats = _generate(target, drafter, ids, mask, None)
+        assert rows_of(out, prompts) == references
+        probes += _probes(stats)
+    assert probes >= 2  # every call starts with one
+
+
+def test_planned_sampling_with_probes_matches_the_processed_distribution():
+    target = tiny_target(vocab_size=12, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=11)
+    drafter.config.length_policy = "planned"
+    torch.manual_seed(0)
+    samples, probes = [], 0
+    for _ in range(100):
+        with adaflash_hf.record_stats() as stats:
+            out = target.generate(torch.tensor([PROMPT] * 20), max_new_tokens=NEW, assistant_model=drafter, **SAMPLING)
+        samples += [tuple(row[len(PROMPT) :].tolist()) for row in out]
+        probes += _probes(stats)
+    assert probes >= 100  # each call's first decision is a probe
+    assert p_value(samples, exact_joint(target)) > 1e-3
+
+
+def test_a_never_agreeing_drafter_costs_a_bounded_number_of_drafts_and_no_verification(monkeypatch):
+    """Counted through real generate() calls, not timed: the step costs are held at a CPU's (verifying 16 tokens
+    costs 2 plain steps, a draft a fifth of one) so that the planner's choices do not depend on this machine."""
+    for name in ("observe", "observe_draft", "observe_drafted"):
+        monkeypatch.setattr(CostTable, name, lambda self, *args: None)
+    target = tiny_target()
+    prompts = PROMPTS[:1]
+    references = [alone(target, p, max_new_tokens=48, eos_token_id=None) for p in prompts]
+    ids, mask = left_pad(prompts)
+    # its first draft is always wrong: it never agrees with the target
+    drafter = oracle_drafter(target, [p + r for p, r in zip(prompts, references)], corrupt=lambda row, anchor: {1})
+    table = profile_for(target, drafter).cost_table(target.device, target.dtype)
+    table.step_s = {(1, 1): 1.0, (1, 2): 1.2, (1, drafter.config.block_size): 2.0}
+    table.draft_s = {1: 0.2}
+    forwards = []
+    drafter.register_forward_hook(lambda *args: forwards.append(1))
+    per_call = []
+    for _ in range(5):
+        forwards.clear()
+        config = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=PAD, **PLANNED)
+        with adaflash_hf.record_stats() as stats:
+            out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=drafter)
+        assert rows_of(out, prompts) == references
+        verified_beyond_anchor = sum(step.verify_width - 1 for step in stats.steps)
+        per_call.append((len(stats.steps), len(forwards), verified_beyond_anchor))
+    for steps, drafts, verified in per_call[1:]:
+        # after the first call: nothing but anchors verified, and a probe every 16 or more steps (a first one, then
+        # one after `CALL_PROBE_INTERVAL` plain steps, then ever rarer)
+        assert verified == 0
+        assert drafts <= 1 + steps // planner_module.CALL_PROBE_INTERVAL
+    # what the drafts cost at these prices (a fifth of a plain step each): under 2% of the plain steps' time
+    steps, drafts = sum(s for s, _, _ in per_call[1:]), sum(d for _, d, _ in per_call[1:])
+    assert drafts * 0.2 / steps < 0.02, per_call
