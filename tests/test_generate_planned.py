@@ -213,7 +213,7 @@ def _drive(planner, steps: int, agrees, costs: dict, draft_s: float = 0.2):
         accepted = width - 1 if token == 7 else 0
         committed = torch.tensor([[7] * accepted + [token]])
         verified = SimpleNamespace(
-            width=width, accepted=torch.tensor([accepted]), depth=num_drafts, committed=committed
+            width=width, accepted=torch.tensor([accepted]), depth=num_drafts, committed=committed, by_source=None
         )
         planner.after_verify([0], verified, torch.tensor([accepted + 1]))
         history.append((drafted, width))
@@ -377,7 +377,7 @@ def test_a_probe_with_no_room_to_draft_is_timed_as_the_plain_step_it_was():
     planner.plain_streak = planner.table.probe_interval  # a probe is due
     assert planner.before_draft([0], torch.tensor([0])).tolist() == [0]  # the token budget leaves no draft
     verified = SimpleNamespace(
-        width=1, accepted=torch.tensor([0]), depth=torch.tensor([0]), committed=torch.tensor([[5]])
+        width=1, accepted=torch.tensor([0]), depth=torch.tensor([0]), committed=torch.tensor([[5]]), by_source=None
     )
     planner.after_verify([0], verified, torch.tensor([1]))
     assert planner.table.draft_s == {1: 0.2}  # no draft ran: its cost is not measured from this step

@@ -37,6 +37,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from ..dflash2 import walk_selector
 from .acceptance import leading_true
 from .draft_head import DraftHead
+from .ngram import NgramIndex
 from .options import AdaFlashGenerationOptions
 from .processing import ids_independent, process_positions, token_chooser
 from .profile import profile_for
@@ -139,6 +140,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.adapter_names = adapter_names_for(drafter, options.adapter_names)
         self.cache = DFlashCache(config=config)
         self.cache_mask: torch.Tensor | None = None
+        self.options = options
+        self.ngram: NgramIndex | None = None  # with adaflash_ngram, from `start_ngram`: rows follow the batch
         self._pending: list[tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None]] = []
 
     # ------------------------------------------------------------------ batched core
@@ -184,6 +187,32 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
                 )
         return features, positions, None if _all_true(valid) else valid
 
+    def start_ngram(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> None:
+        """With ``adaflash_ngram``: indexes each row's prompt (its unmasked tokens) for n-gram continuations."""
+        if not self.options.ngram:
+            return
+        rows = input_ids.tolist()
+        if attention_mask is not None:
+            rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(rows, attention_mask.tolist())]
+        self.ngram = NgramIndex(rows, self.options.ngram_max_match, self.options.ngram_min_match)
+
+    def committed(self, tokens: torch.LongTensor, counts: torch.LongTensor) -> None:
+        """Each active row committed ``tokens[b, :counts[b]]``: the n-gram index takes them (rejected drafts never
+        enter it)."""
+        if self.ngram is not None:
+            self.ngram.extend([row[:n] for row, n in zip(tokens.tolist(), counts.tolist())])
+
+    def ngram_paths(self, room: torch.LongTensor, stop: torch.Tensor | None) -> list[list[list[int]]] | None:
+        """Each active row's n-gram continuations for this step (``None`` without ``adaflash_ngram``), at most
+        ``room [B]`` tokens each, ending at their first `stop` token."""
+        if self.ngram is None:
+            return None
+        options = self.options
+        stop_ids = () if stop is None else stop.tolist()
+        return self.ngram.paths(
+            room.clamp(min=0).tolist(), options.ngram_tokens, options.ngram_continuations, stop_ids
+        )
+
     def skip(self, anchors: torch.LongTensor) -> Drafts:
         """A step without drafts (the step's plan chose a plain step): the drafter does not run, and the context
         queued for it waits, with the context of this step, for the next `draft()`."""
@@ -204,6 +233,8 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
             hook(index, self.cache)
         if self.adapter_names is not None:
             self.adapter_names = [self.adapter_names[i] for i in index.tolist()]
+        if self.ngram is not None:
+            self.ngram.select_rows(index.tolist())
         if self.cache_mask is not None:
             self.cache_mask = self.cache_mask[index]
         self._pending = [

@@ -86,7 +86,8 @@ def check_call(target, input_ids, generation_config, logits_processor, streamer,
                 "Generate row by row, or lower max_new_tokens."
             )
     if options.tree_budget is not None:
-        _check_trees(target, cache, logits_processor)
+        # adaflash_ngram verifies a tree too (its paths merged into the drafter's): refused where trees are
+        _check_trees(target, cache, logits_processor, "adaflash_ngram" if options.ngram else "adaflash_tree_budget")
 
 
 def _alibi(target) -> bool:
@@ -98,29 +99,30 @@ def _alibi(target) -> bool:
     )
 
 
-def _check_trees(target, cache, processors) -> None:
-    """What ``adaflash_tree_budget`` (`tree.py`) cannot verify exactly."""
+def _check_trees(target, cache, processors, option: str) -> None:
+    """What tree verification (`tree.py`: ``adaflash_tree_budget``, ``adaflash_ngram``) cannot verify exactly;
+    `option` is the setting that asked for it."""
     dependent = sorted({type(p).__name__ for p in processors if not ids_independent(p)})
     if dependent:
         raise ValueError(
-            f"adaflash_tree_budget does not support logits processors that read the ids ({dependent}): each tree node "
-            "has a prefix of its own, and they are called with one prefix per row. Drop adaflash_tree_budget (linear "
+            f"{option} does not support logits processors that read the ids ({dependent}): each tree node "
+            f"has a prefix of its own, and they are called with one prefix per row. Drop {option} (linear "
             "verification supports them), or drop those generation settings."
         )
     if sliding_window(cache) is not None:
         raise NotImplementedError(
-            "adaflash_tree_budget on a sliding-window or chunked-attention target: tree verification passes its own "
-            "4D attention mask, which would replace the window mask. Drop adaflash_tree_budget for this target."
+            f"{option} on a sliding-window or chunked-attention target: tree verification passes its own "
+            f"4D attention mask, which would replace the window mask. Drop {option} for this target."
         )
     if _alibi(target):
         raise NotImplementedError(
-            f"adaflash_tree_budget on an ALiBi target ({type(target).__name__}): its position bias is built from a 2D "
+            f"{option} on an ALiBi target ({type(target).__name__}): its position bias is built from a 2D "
             "attention mask, counting every earlier column, so tree nodes would get their index in the tree as their "
-            "distance instead of their depth. Drop adaflash_tree_budget for this target (linear verification is "
+            f"distance instead of their depth. Drop {option} for this target (linear verification is "
             "exact on it)."
         )
     check_movable(
         cache,
         "Tree verification moves each step's accepted path to the front of its cache columns",
-        "drop adaflash_tree_budget for this target",
+        f"drop {option} for this target",
     )

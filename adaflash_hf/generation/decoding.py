@@ -111,6 +111,7 @@ class SpeculativeDecoding:
             target, self.cache, layout, logits_processor, self.hidden_layers, features, self.recorder.clock
         )
         self.linear = LinearVerifier(forward, self.generator.do_sample, self.pad_token_id)
+        self.generator.start_ngram(input_ids, self.attention_mask)
         self.tree = None
         if options.tree_budget is not None:
             self.tree = TreeVerifier(forward, self.generator.choose, options.tree_budget, self.pad_token_id, dtype)
@@ -171,7 +172,8 @@ class SpeculativeDecoding:
         room = self.limit - (lengths - self.prompt_len) - 1  # drafts each row's budget leaves
         if self.cache.window is not None:
             room = torch.clamp(room, max=self.cache.room(generator.block_size) - 1)
-        max_drafts = plan.before_draft(row_list, room)
+        paths = generator.ngram_paths(room, self.eos)  # None without adaflash_ngram
+        max_drafts = plan.before_draft(row_list, room, None if paths is None else [p[0] if p else [] for p in paths])
         start = self.recorder.clock()
         anchors = self.sequences[rows, lengths - 1]
         if not bool(max_drafts.gt(0).any()):
@@ -184,9 +186,13 @@ class SpeculativeDecoding:
         drafted = self.recorder.clock()
 
         history, padded = History(self.sequences, lengths, rows), self._padded_rows()
-        if self.tree is not None and bool(drafts.num_drafts.gt(0).any()):
-            depth, budget = plan.tree_shape(drafts.num_drafts, room, drafts.logits.shape[1], self.tree.budget)
-            verified = self.tree.verify(anchors, drafts, self.next_positions, history, padded, depth, budget)
+        path_nodes = 0 if paths is None else plan.path_nodes(generator.options.ngram_nodes)
+        if self.tree is not None and (bool(drafts.num_drafts.gt(0).any()) or path_nodes and any(paths)):
+            positions = 0 if drafts.logits is None else drafts.logits.shape[1]  # the drafter's, if it ran
+            depth, budget = plan.tree_shape(drafts.num_drafts, room, positions, self.tree.budget)
+            verified = self.tree.verify(
+                anchors, drafts, self.next_positions, history, padded, depth, budget, paths, path_nodes
+            )
         else:
             verified = self.linear.verify(anchors, drafts, self.next_positions, history, padded)
         if verified.trial:
@@ -204,6 +210,11 @@ class SpeculativeDecoding:
             draft_time_s=drafted - start,
             target_time_s=v.verified_at - drafted,
             **predicted,
+            **{
+                f"{name}_{kind}": values.tolist()
+                for name, pair in (v.by_source or {}).items()
+                for kind, values in zip(("accepted", "offered"), pair)
+            },
         )
 
     def _padded_rows(self) -> torch.Tensor | None:
@@ -240,6 +251,7 @@ class SpeculativeDecoding:
             keep = offsets < counts[:, None]
             columns = (lengths[:, None] + offsets).clamp(max=self.sequences.shape[1] - 1)
             self.sequences[rows[:, None].expand_as(columns)[keep], columns[keep]] = tokens[keep]
+        self.generator.committed(tokens, counts)
         for per_row, values in ((self.scores, processed), (self.raw_logits, raw)):
             for slot, row in enumerate(rows.tolist() if per_row is not None else ()):
                 per_row[row].extend(values[slot, : int(counts[slot])])

@@ -81,10 +81,17 @@ class StepPlan(Protocol):
     """What the decoding loop asks a step's plan, once each per step, in this order. Plans only choose how many
     drafts are verified; what is committed is the acceptance rule's, so no plan can change the output."""
 
-    def before_draft(self, rows: list[int], room: torch.LongTensor) -> torch.LongTensor:
+    def before_draft(
+        self, rows: list[int], room: torch.LongTensor, paths: list[list[int]] | None = None
+    ) -> torch.LongTensor:
         """Most drafts each active row (``rows``: their indices in the call's batch) may verify this step, within
-        ``room [R]`` (each row's token budget, less the token the target adds); all zero: a plain step, and the
-        drafter does not run."""
+        ``room [R]`` (each row's token budget, less the token the target adds); all zero: the drafter does not run
+        (a plain step, or merged paths alone). ``paths``: with ``adaflash_ngram``, the first n-gram continuation
+        each row's context offers this step (`ngram.py`; empty: none)."""
+
+    def path_nodes(self, cap: int) -> int:
+        """Tokens of merged n-gram paths each row's tree may hold this step, at most ``cap``
+        (``adaflash_ngram_nodes``); asked after `before_draft`."""
 
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
         """Drafts each row verifies, ``[R]``, at most ``drafts.num_drafts`` (`candidate_generator.Drafts`)."""
@@ -103,10 +110,14 @@ class StepPlan(Protocol):
 
 class PolicyPlan:
     """The `StepPlan` of the ``fixed``, ``adaptive`` and ``confidence`` policies: the candidate generator applies the
-    policy's lengths as it drafts, so every step drafts, and a tree is as deep as the drafts chosen."""
+    policy's lengths as it drafts, so every step drafts, a tree is as deep as the drafts chosen, and merged n-gram
+    paths take up to ``adaflash_ngram_nodes`` of its budget."""
 
-    def before_draft(self, rows, room):
+    def before_draft(self, rows, room, paths=None):
         return room
+
+    def path_nodes(self, cap):
+        return cap
 
     def after_draft(self, rows, drafts):
         return drafts.num_drafts

@@ -38,6 +38,16 @@ class AdaFlashGenerationOptions:
 
     tree_budget (`int`, *optional*): ``adaflash_tree_budget``: tokens of a draft tree verified per row and step,
         anchor included (`tree.py`); ``None`` verifies the linear block.
+    ngram (`bool`): ``adaflash_ngram``: add the continuations the row's own context offers for its suffix (prompt
+        lookup, `ngram.py`) to each step's draft tree, verified in the same forward (`tree.py`); implies tree
+        verification (``tree_budget`` defaults to the drafter's block plus ``ngram_nodes``).
+    ngram_max_match, ngram_min_match (`int`): ``adaflash_ngram_max_match`` (3), ``adaflash_ngram_min_match`` (1):
+        the suffix lengths matched, longest first (transformers' ``max_matching_ngram_size`` is the first).
+    ngram_tokens (`int`): ``adaflash_ngram_tokens`` (10): tokens per continuation (transformers'
+        ``prompt_lookup_num_tokens``).
+    ngram_continuations (`int`): ``adaflash_ngram_continuations`` (2): distinct continuations of one match.
+    ngram_nodes (`int`): ``adaflash_ngram_nodes`` (16): most tree nodes the continuations take per row and step,
+        within ``tree_budget``.
     verify_layout (`str`): ``adaflash_verify_layout``: ``"auto"``, ``"linear"`` or ``"transposed"``
         (`verify_layout.py`).
     decoding_loop (`str`): ``adaflash_decoding_loop``: ``"adaflash"`` (adaflash_hf's batched loop) or
@@ -48,6 +58,12 @@ class AdaFlashGenerationOptions:
     adapter_names: list[str] | None = None
     draft_head_dtype: str = "auto"
     tree_budget: int | None = None
+    ngram: bool = False
+    ngram_max_match: int = 3
+    ngram_min_match: int = 1
+    ngram_tokens: int = 10
+    ngram_continuations: int = 2
+    ngram_nodes: int = 16
     verify_layout: str = "auto"
     decoding_loop: str = "adaflash"
 
@@ -84,6 +100,24 @@ class AdaFlashGenerationOptions:
                 f"adaflash_tree_budget must be a positive int (tokens verified per row and step, anchor included; 1 "
                 f"is a plain step), got {budget!r}; drop it to verify the linear block"
             )
+        ngram = given.get(PREFIX + "ngram", False)
+        if not isinstance(ngram, bool):
+            problems.append(f"adaflash_ngram must be True or False, got {ngram!r}")
+        sizes = {}
+        for name in ("ngram_max_match", "ngram_min_match", "ngram_tokens", "ngram_continuations", "ngram_nodes"):
+            value = given.get(PREFIX + name, getattr(cls, name))
+            sizes[name] = value
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{PREFIX}{name} must be a positive int, got {value!r}")
+            elif not ngram and PREFIX + name in given:
+                problems.append(f"{PREFIX}{name} is set without adaflash_ngram=True; set it, or drop {PREFIX}{name}")
+        if not problems and sizes["ngram_min_match"] > sizes["ngram_max_match"]:
+            problems.append(
+                f"adaflash_ngram_min_match ({sizes['ngram_min_match']}) exceeds adaflash_ngram_max_match "
+                f"({sizes['ngram_max_match']}); the suffixes matched are max_match tokens down to min_match"
+            )
+        if ngram is True and budget is None:
+            budget = drafter_config.block_size + sizes["ngram_nodes"]  # the drafter's block, and the paths' room
         layout = given.get(PREFIX + "verify_layout", "auto")
         if layout not in VERIFY_LAYOUTS:
             problems.append(
@@ -102,7 +136,13 @@ class AdaFlashGenerationOptions:
         if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
             problems.append(f"adaflash_adapter_names must be a list of adapter names (one per row), got {names!r}")
         if loop == "transformers":
-            if budget is not None:
+            if ngram is True:
+                problems.append(
+                    "adaflash_ngram needs adaflash_hf's loop: transformers' assisted-decoding loop verifies one "
+                    "linear candidate per step (its own prompt lookup is prompt_lookup_num_tokens, without a "
+                    "drafter); drop adaflash_decoding_loop='transformers', or drop adaflash_ngram"
+                )
+            elif budget is not None:
                 problems.append(
                     "adaflash_tree_budget needs adaflash_hf's loop: transformers' assisted-decoding loop verifies one "
                     "linear candidate per step; drop adaflash_decoding_loop='transformers', or drop "
@@ -121,6 +161,8 @@ class AdaFlashGenerationOptions:
             adapter_names=None if names is None else list(names),
             draft_head_dtype=head_dtype,
             tree_budget=budget,
+            ngram=ngram,
+            **sizes,
             verify_layout=layout,
             decoding_loop=loop,
         )

@@ -45,6 +45,21 @@ geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor t
 expected drafts. The width maximises the same expected rate over ``2 .. block_size`` (the drafter has run; every
 drafted width is costed by the same table).
 
+**With merged n-gram paths** (``adaflash_ngram``, `ngram.py`), the loop tells the planner before each step how
+long a continuation each row's context offers, and the planner chooses, with the drafter's width, how many path
+tokens join the step's tree (`plan_paths`): the rate of each choice is its expected committed tokens over its cost,
+a path's expected tokens following its own geometric acceptance ``p_g`` (per row, shrunk towards the pooled estimate
+and the last call's), a row committing about the longer of the drafter's and the path's expectation. ``p_g`` is
+observed at no cost whether the path was verified or not: each row's path is compared with the tokens the row then
+commits, over as many steps as it takes, until the first disagreement (the target's own tokens: under greedy decoding
+what verifying it would accept; under sampling, a deterministic path's token is accepted exactly when the target
+samples it, so this is speculative sampling's acceptance too), so a call whose paths stopped paying goes on measuring
+them. A step whose drafter is not worth its draft (a plain step, or a long and reliable path) verifies the
+path alone without running the drafter, at the measured cost of such undrafted widths (`CostTable.undrafted_s`).
+Widths the paths add are costed optimistically until measured (the nearest narrower measured width: cost grows with
+width), so a width that wins on that estimate is run, which measures it once, and is then priced by what it cost.
+Probes stay pure (no paths), so that they time the draft alone.
+
 The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact. It is
 the loop's `length_policy.StepPlan` for ``length_policy="planned"``.
 """
@@ -82,6 +97,30 @@ class CostTable:
     head_scale: float = 1.0  # calibration of the length head's predicted accepted drafts
     # rows -> seconds a shadow probe's draft adds to a plain step (moving average)
     draft_s: dict[int, float] = field(default_factory=dict)
+    # (rows, width) -> seconds of a step that verified merged n-gram paths without running the drafter
+    undrafted_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    path_acceptance: float = PRIOR_ACCEPTANCE  # pooled per-token acceptance of merged n-gram paths, last call
+
+    def observe_undrafted(self, rows: int, width: int, seconds: float) -> None:
+        old = self.undrafted_s.get((rows, width))
+        self.undrafted_s[(rows, width)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def path_cost(self, rows: int, width: int, drafted: bool) -> float | None:
+        """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`):
+        the measured cost, else the nearest narrower measured width's at the nearest measured row count (a lower
+        bound, so that a width winning on it is run once and measured); ``None`` when nothing of the kind is."""
+        plain = {key: seconds for key, seconds in self.step_s.items() if key[1] == 1}
+        costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1} if drafted else plain
+        if not drafted:
+            costs = {**plain, **self.undrafted_s}
+        if (rows, width) in costs:
+            return costs[(rows, width)]
+        if not costs:
+            return None
+        near = min({r for r, _ in costs}, key=lambda r: (abs(r - rows), r))
+        widths = [w for r, w in costs if r == near]
+        below = [w for w in widths if w <= width]
+        return costs[(near, max(below) if below else min(widths))]
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         old = self.draft_s.get(rows)
@@ -186,6 +225,13 @@ class VerificationPlanner:
         # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
         self._evidence = not probe_first
         self.last_prediction: dict | None = None
+        # merged n-gram paths (`plan_paths`): their tokens in this step's tree per row, whether the drafter runs, and
+        # each row's observed acceptance of path tokens
+        self._path_nodes, self._undrafted = 0, False
+        self.path_successes = torch.zeros(batch_size, dtype=torch.float64)
+        self.path_trials = torch.zeros(batch_size, dtype=torch.float64)
+        self._path_prior = table.path_acceptance  # the last call's, kept as this call's prior
+        self._path_shadows: dict[int, list] = {}  # row -> [its path being scored, tokens matched so far]
         # A new call's prompts may draft well where the last call's did not: with `probe_first` its first step is a
         # probe, and the back-off the last call reached is kept up to `CALL_PROBE_INTERVAL`, so that one unlucky
         # first probe does not leave a call that drafts well plain to its end, while a never-agreeing drafter costs a
@@ -194,9 +240,22 @@ class VerificationPlanner:
 
     # ------------------------------------------------------------------ the loop's StepPlan
 
-    def before_draft(self, rows: list[int], room: torch.LongTensor) -> torch.LongTensor:
+    def before_draft(
+        self, rows: list[int], room: torch.LongTensor, paths: list[list[int]] | None = None
+    ) -> torch.LongTensor:
         self.begin()
-        return self.plan(rows, room)
+        drafts = self.plan(rows, room)
+        self._path_nodes, self._undrafted = 0, False
+        if paths is not None:
+            for row, path in zip(rows, paths):
+                if path and row not in self._path_shadows:
+                    self._path_shadows[row] = [path, 0]
+            if any(paths):
+                drafts = self.plan_paths(rows, [len(path) for path in paths], drafts)
+        return drafts
+
+    def path_nodes(self, cap: int) -> int:
+        return min(cap, self._path_nodes)
 
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
         if self._shadow_now:  # a probe: keep the drafts to score, verify none
@@ -213,11 +272,17 @@ class VerificationPlanner:
         ``adaflash_tree_budget``, and a tree may reach as deep as the row's room and the drafted positions allow:
         the planner decides how many tokens a step verifies, the tree which ones, and a tree of ``w`` tokens commits
         at least what the linear ``w`` would in expectation (it holds the likeliest paths)."""
-        budget = min(budget, int(num_drafts.max()) + 1)
+        budget = min(budget, int(num_drafts.max()) + 1 + self._path_nodes)  # merged paths: `plan_paths`
         return torch.where(num_drafts > 0, room.clamp(max=drafted), 0), budget
 
     def after_verify(self, rows: list[int], verified, emitted: torch.LongTensor) -> dict:
-        step_s = self.observe(rows, verified.width, verified.accepted.tolist(), verified.depth.tolist())
+        accepted, offered = verified.accepted, verified.depth
+        if verified.by_source is not None:  # the drafter's share of the step (the paths are scored apart)
+            accepted, offered = verified.by_source["drafter"]
+        if self._path_shadows:
+            counts = emitted.tolist()
+            self.score_paths(rows, [tokens[:n] for tokens, n in zip(verified.committed.tolist(), counts)])
+        step_s = self.observe(rows, verified.width, accepted.tolist(), offered.tolist())
         if self._shadows:
             counts = emitted.tolist()
             self.score_shadows(rows, [tokens[:n] for tokens, n in zip(verified.committed.tolist(), counts)])
@@ -272,6 +337,85 @@ class VerificationPlanner:
             self.plain_streak = 0
             return max_width
         return width
+
+    def score_paths(self, rows: list[int], committed: list[list[int]]) -> None:
+        """Compares each row's pending path with the tokens it committed this step (``committed``, per row of
+        ``rows``): a disagreement or the path's end observes its matched tokens (module docstring)."""
+        present = dict(zip(rows, committed))
+        for row in list(self._path_shadows):
+            path, matched = self._path_shadows[row]
+            if row not in present:  # the row finished
+                del self._path_shadows[row]
+                continue
+            failed = False
+            for token in present[row]:
+                if token != path[matched]:
+                    failed = True
+                    break
+                matched += 1
+                if matched == len(path):
+                    break
+            if failed or matched == len(path):
+                self.path_successes[row] += matched
+                self.path_trials[row] += matched + failed
+                del self._path_shadows[row]
+            else:
+                self._path_shadows[row][1] = matched
+        trials = float(self.path_trials.sum())
+        if trials > 0:
+            self.table.path_acceptance = float(self.path_successes.sum()) / trials
+
+    def path_acceptance(self, rows: list[int]) -> torch.Tensor:
+        """Per-row probability that a merged path's next token is accepted, ``[len(rows)]``: the row's observations
+        shrunk towards the call's pooled ones, themselves shrunk towards the last call's."""
+        pooled = (self.path_successes.sum() + PRIOR_WEIGHT * self._path_prior) / (
+            self.path_trials.sum() + PRIOR_WEIGHT
+        )
+        index = torch.tensor(rows, dtype=torch.long)
+        own_s, own_t = self.path_successes[index], self.path_trials[index]
+        return ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+
+    def plan_paths(self, rows: list[int], lengths: list[int], drafts: torch.LongTensor) -> torch.LongTensor:
+        """How many tokens of merged n-gram paths join this step's tree (kept for `path_nodes`), given each row's
+        longest path (``lengths``) and the drafts `plan` chose (``[R]``); returns the drafts, all zero when the
+        paths alone verify at a better rate than with the drafter (module docstring)."""
+        count, table = len(rows), self.table
+        if self._shadow_now or table.cost(count, 1) is None:
+            return drafts  # a probe times the draft alone; the first step measures a plain step
+        longest = max(lengths)
+        steps = torch.arange(longest + 1, dtype=torch.float64)
+        p_g = self.path_acceptance(rows)[:, None] ** steps
+        # path_committed[b, k]: expected tokens row b commits from k path tokens (1 + p + ... over its path's length)
+        path_committed = torch.where(steps <= torch.tensor(lengths)[:, None], p_g, 0.0).cumsum(1)
+        undrafted = {}
+        for k in range(longest + 1):
+            cost = table.path_cost(count, 1 + k, drafted=False)
+            if cost is not None:
+                undrafted[k] = (float(path_committed[:, k].sum()) / cost, cost)
+        width = int(drafts.max()) + 1
+        hybrid = {}
+        if width > 1:
+            drafted = (self.acceptance(rows)[:, None] ** torch.arange(width, dtype=torch.float64)).sum(1)
+            for k in range(longest + 1):
+                cost = table.path_cost(count, width + k, drafted=True)
+                if cost is not None:
+                    hybrid[k] = (float(torch.maximum(drafted, path_committed[:, k]).sum()) / cost, cost)
+        best_alone = max(undrafted, key=lambda k: undrafted[k][0], default=None)
+        best_hybrid = max(hybrid, key=lambda k: hybrid[k][0], default=None)
+        if best_hybrid is not None and (
+            self._probing or best_alone is None or hybrid[best_hybrid][0] >= undrafted[best_alone][0]
+        ):
+            self._path_nodes, chosen = best_hybrid, hybrid[best_hybrid]
+            committed = float(torch.maximum(drafted, path_committed[:, best_hybrid]).sum())
+        elif best_alone is not None and not self._probing:
+            self._path_nodes, chosen = best_alone, undrafted[best_alone]
+            committed = float(path_committed[:, best_alone].sum())
+            drafts = torch.zeros_like(drafts)  # the drafter is not worth its draft this step
+            self._undrafted = best_alone > 0
+        else:
+            return drafts
+        self.last_prediction = {"predicted_step_s": chosen[1], "predicted_tokens": committed}
+        return drafts
 
     def _best_width(self, rows: list[int], max_width: int) -> int:
         """The width of the highest expected rate under the measured costs and the rows' acceptance."""
@@ -400,6 +544,11 @@ class VerificationPlanner:
             if plain is not None and (timed or len(rows) not in self.table.draft_s):
                 self.table.observe_draft(len(rows), max(seconds - plain, 0.0))
             timed = False
+        if self._undrafted and width > 1:  # merged paths without the drafter: costed apart, and say nothing of drafts
+            if timed:
+                self.table.observe_undrafted(len(rows), width, seconds)
+            self.plain_streak += 1
+            return seconds
         if timed:
             self.table.observe(len(rows), width, seconds)
         if width == 1:  # a plain step offers no drafts, so it tells nothing about acceptance

@@ -27,6 +27,9 @@ class StepRecord:
     draft_time_s / target_time_s: wall time of the drafter and of the target forward (device-synchronised).
     step_time_s / predicted_step_s / predicted_tokens (``length_policy="planned"`` only, else ``None``): the whole
         step's measured wall time, and what the planner predicted it would cost and commit when it chose the width.
+    drafter_accepted / drafter_offered / ngram_accepted / ngram_offered (``adaflash_ngram`` tree steps only, else
+        ``None``): per source of the merged tree, the leading tokens of the accepted path it proposed and the deepest
+        path it offered (a token both proposed counts for both).
     """
 
     rows: list[int]
@@ -39,6 +42,10 @@ class StepRecord:
     step_time_s: float | None = None
     predicted_step_s: float | None = None
     predicted_tokens: float | None = None
+    drafter_accepted: list[int] | None = None
+    drafter_offered: list[int] | None = None
+    ngram_accepted: list[int] | None = None
+    ngram_offered: list[int] | None = None
 
 
 @dataclass
@@ -105,6 +112,13 @@ class SpeculativeStats:
     @property
     def verified_tokens_per_emitted_token(self) -> float:
         return self.verified_tokens / max(self.emitted_tokens, 1)
+
+    def source_acceptance(self, source: str) -> dict:
+        """``source`` (``"drafter"`` or ``"ngram"``) of ``adaflash_ngram`` steps: tokens it offered (its deepest path
+        per row-step) and accepted, and the accepted share."""
+        offered = sum(sum(getattr(s, f"{source}_offered") or ()) for s in self.steps)
+        accepted = sum(sum(getattr(s, f"{source}_accepted") or ()) for s in self.steps)
+        return {"offered": offered, "accepted": accepted, "rate": accepted / offered if offered else 0.0}
 
     @property
     def draft_time_s(self) -> float:

@@ -23,6 +23,15 @@ for drafts that are deterministic: a candidate ``c`` with draft probability one 
 child ``c`` with probability ``p(c)`` and stops with a token outside the children otherwise, which is exactly what
 "sample from ``p``, descend if it is a child" does.)
 
+**Merged n-gram paths** (``adaflash_ngram``, `ngram.py`): the continuations the row's own context offers are
+added as paths of the same tree before the drafter's nodes, a prefix the two share stored once (a node's children
+carry distinct tokens, whoever proposed them), and the drafter's best-first nodes fill the rest of the budget. The
+argument above never used where a node came from: it needs a tree fixed before the target's choices are drawn, with
+distinct tokens among siblings and parents before children. The n-gram paths are a function of the committed tokens
+only (deterministic proposals), so the merged tree is fixed before the forward, and the walk commits exactly the
+target's own choices whichever source proposed the path it follows; greedy output stays plain greedy output and
+sampled output keeps plain sampling's distribution.
+
 `TreeVerifier` is the loop's verifier for trees (the linear one is `verifiers.LinearVerifier`): it builds each row's
 tree, verifies it in one forward, walks it, and moves the accepted path's cache columns, features and logits to the
 front of the step's, so that the loop commits it exactly as a linear block.
@@ -47,12 +56,14 @@ class DraftTree:
     parents ``[B, N]``: the index in ``[0, N]`` of node ``i + 1``'s parent (``0``: the anchor; padding points there).
     depths ``[B, N]``: node ``i + 1``'s depth (1 for the anchor's children; padding has depth 1).
     valid ``[B, N]``: real nodes; a row's real nodes come first.
+    sources ``[B, N]``: who proposed each node, bits `DRAFTER` and `PATHS` (both: a node the two share; 0: padding).
     """
 
     tokens: torch.LongTensor
     parents: torch.LongTensor
     depths: torch.LongTensor
     valid: torch.Tensor
+    sources: torch.LongTensor | None = None
 
     @property
     def width(self) -> int:
@@ -81,68 +92,123 @@ class DraftTree:
         return seen
 
 
-def build_trees(logits: torch.Tensor, max_depth: torch.LongTensor, budget: int, pad_token_id: int = 0) -> DraftTree:
-    """Best-first draft trees from the drafter's per-depth logits.
+DRAFTER, PATHS = 1, 2  # `DraftTree.sources` bits: a node of the drafter's best-first tree, of a merged path
+
+
+class _RowTree:
+    """One row's tree under construction: nodes ``(token, parent, depth, sources)`` in insertion order (parents
+    first), at most `nodes` of them, a node's children carrying distinct tokens."""
+
+    def __init__(self, nodes: int):
+        self.nodes, self.capacity = [], nodes
+        self.children: dict[tuple[int, int], int] = {}
+
+    @property
+    def full(self) -> bool:
+        return len(self.nodes) >= self.capacity
+
+    def add(self, token: int, parent: int, source: int) -> int | None:
+        """The index of ``parent``'s child carrying ``token``, added when new (``None``: no room for it)."""
+        index = self.children.get((parent, token))
+        if index is not None:
+            token_, parent_, depth, sources = self.nodes[index - 1]
+            self.nodes[index - 1] = (token_, parent_, depth, sources | source)
+            return index
+        if self.full:
+            return None
+        depth = 1 if parent == 0 else self.nodes[parent - 1][2] + 1
+        self.nodes.append((token, parent, depth, source))
+        self.children[(parent, token)] = index = len(self.nodes)
+        return index
+
+    def add_paths(self, paths: list[list[int]], nodes: int) -> None:
+        """Adds `paths` from the anchor, in order, until `nodes` of this tree's nodes are theirs."""
+        limit = min(self.capacity, len(self.nodes) + nodes)
+        for path in paths:
+            parent = 0
+            for token in path:
+                if (parent, token) not in self.children and len(self.nodes) >= limit:
+                    return
+                parent = self.add(token, parent, PATHS)
+
+
+def build_trees(
+    logits: torch.Tensor | None,
+    max_depth: torch.LongTensor,
+    budget: int,
+    pad_token_id: int = 0,
+    paths: list[list[list[int]]] | None = None,
+    path_nodes: int = 0,
+) -> DraftTree:
+    """Best-first draft trees from the drafter's per-depth logits, with extra paths merged in.
 
     Args:
-        logits (`torch.Tensor` of shape `(batch_size, depth, vocab_size)`):
-            The drafter's processed logits for draft depths ``1..depth`` (the same processors as the target's).
+        logits (`torch.Tensor` of shape `(batch_size, depth, vocab_size)`, *optional*):
+            The drafter's processed logits for draft depths ``1..depth`` (the same processors as the target's);
+            ``None``: the drafter did not run, the trees hold `paths` only.
         max_depth (`torch.LongTensor` of shape `(batch_size,)`):
-            The deepest node each row may hold (the length policy's drafts, capped by the token budget); ``0`` gives
-            a row no nodes (a plain step for it).
+            The deepest node of the drafter each row may hold (the length policy's drafts, capped by the token
+            budget); ``0`` gives a row no drafter nodes.
         budget (`int`):
             Tokens verified per row, anchor included: each row holds at most ``budget - 1`` nodes.
         pad_token_id (`int`):
             The token padding nodes carry (they are masked; any id works).
+        paths (`list[list[list[int]]]`, *optional*):
+            Per row, token paths from the anchor (n-gram continuations, `ngram.py`), placed before the drafter's
+            nodes, at most `path_nodes` nodes of them; the drafter's nodes fill the rest of the budget, a node both
+            propose counting once.
     """
-    batch = logits.shape[0]
+    batch = max_depth.shape[0]
     nodes = budget - 1
-    # a depth where the processors allow no token ends the row's tree: nothing there can be proposed
-    allowed = leading_true(logits.amax(-1) > float("-inf"))
-    depth_cap = torch.minimum(max_depth.clamp(max=logits.shape[1]), allowed).tolist()
-    per_depth = min(nodes, logits.shape[-1])
-    if nodes <= 0 or max(depth_cap, default=0) <= 0:
-        empty = logits.new_zeros((batch, 0), dtype=torch.long)
-        return DraftTree(empty, empty, empty, empty.bool())
-    # a node's children at depth d are the top tokens of q_d in order; no tree uses more than `nodes` of them
-    scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(per_depth, dim=-1)
-    scores, ids = scores.tolist(), ids.tolist()
-    trees = [_best_first(scores[b], ids[b], depth_cap[b], nodes) for b in range(batch)]
-    size = max(len(tree) for tree in trees)
+    device = max_depth.device if logits is None else logits.device
+    trees = [_RowTree(max(nodes, 0)) for _ in range(batch)]
+    for tree, row_paths in zip(trees, paths or ()):
+        tree.add_paths(row_paths, path_nodes)
+    if logits is not None and nodes > 0:
+        # a depth where the processors allow no token ends the row's tree: nothing there can be proposed
+        allowed = leading_true(logits.amax(-1) > float("-inf"))
+        depth_cap = torch.minimum(max_depth.clamp(max=logits.shape[1]), allowed).tolist()
+        if max(depth_cap, default=0) > 0:
+            # a node's children at depth d are the top tokens of q_d in order; no tree uses more than `nodes`
+            per_depth = min(nodes, logits.shape[-1])
+            scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(per_depth, dim=-1)
+            scores, ids = scores.tolist(), ids.tolist()
+            for b, tree in enumerate(trees):
+                _best_first(scores[b], ids[b], depth_cap[b], tree)
+    size = max((len(tree.nodes) for tree in trees), default=0)
     tokens = torch.full((batch, size), pad_token_id, dtype=torch.long)
     parents = torch.zeros(batch, size, dtype=torch.long)
     depths = torch.ones(batch, size, dtype=torch.long)
+    sources = torch.zeros(batch, size, dtype=torch.long)
     valid = torch.zeros(batch, size, dtype=torch.bool)
     for b, tree in enumerate(trees):
-        if tree:
-            tokens[b, : len(tree)], parents[b, : len(tree)], depths[b, : len(tree)] = torch.tensor(tree).T
-            valid[b, : len(tree)] = True
-    device = logits.device
-    return DraftTree(tokens.to(device), parents.to(device), depths.to(device), valid.to(device))
+        if tree.nodes:
+            count = len(tree.nodes)
+            tokens[b, :count], parents[b, :count], depths[b, :count], sources[b, :count] = torch.tensor(tree.nodes).T
+            valid[b, :count] = True
+    return DraftTree(tokens.to(device), parents.to(device), depths.to(device), valid.to(device), sources.to(device))
 
 
-def _best_first(scores: list[list[float]], ids: list[list[int]], max_depth: int, nodes: int) -> list[tuple]:
-    """One row's tree as ``[(token, parent, depth), ...]`` in pop order (parents first).
+def _best_first(scores: list[list[float]], ids: list[list[int]], max_depth: int, tree: _RowTree) -> None:
+    """Adds the drafter's nodes to one row's tree in pop order (parents first) until it is full.
 
     A heap entry is a node not yet in the tree: ``(-score, depth, rank, parent)``; `rank` is the token's rank in
     ``q_depth``. Popping it pushes its first child (rank 0 one level deeper) and its next sibling (rank + 1 under the
-    same parent), the only nodes whose best unexplored score it bounds.
+    same parent), the only nodes whose best unexplored score it bounds. A popped node the tree already holds (a
+    merged path proposed it too) costs no room.
     """
     if max_depth <= 0:
-        return []
-    tree: list[tuple] = []
+        return
     heap = [(-scores[0][0], 1, 0, 0)]
     width = len(ids[0])
-    while heap and len(tree) < nodes:
+    while heap and not tree.full:
         negative, depth, rank, parent = heapq.heappop(heap)
-        tree.append((ids[depth - 1][rank], parent, depth))
-        index = len(tree)  # this node's index (0 is the anchor)
+        index = tree.add(ids[depth - 1][rank], parent, DRAFTER)
         if depth < max_depth:
             heapq.heappush(heap, (negative - scores[depth][0], depth + 1, 0, index))
         if rank + 1 < width and scores[depth - 1][rank + 1] > float("-inf"):  # a banned token is never drafted
             sibling = negative + scores[depth - 1][rank] - scores[depth - 1][rank + 1]
             heapq.heappush(heap, (sibling, depth, rank + 1, parent))
-    return tree
 
 
 def tree_attention_mask(
@@ -216,12 +282,17 @@ class TreeVerifier:
         self.forward, self.choose, self.budget = forward, choose, budget
         self.pad_token_id, self.mask_dtype = pad_token_id, mask_dtype
 
-    def verify(self, anchors, drafts, positions, history: History, padded, depth, budget: int) -> Verified:
-        """As `verifiers.LinearVerifier.verify`, with each row's tree at most ``depth [B]`` deep and ``budget``
-        tokens wide."""
+    def verify(
+        self, anchors, drafts, positions, history: History, padded, depth, budget: int, paths=None, path_nodes=0
+    ) -> Verified:
+        """As `verifiers.LinearVerifier.verify`, with each row's tree at most ``depth [B]`` deep (the drafter's
+        nodes) and ``budget`` tokens wide, and each row's `paths` merged in, at most `path_nodes` nodes of them
+        (`build_trees`; ``drafts.logits`` is ``None`` when the drafter did not run)."""
         if padded is not None:  # plain decoding only pads a stopped row: it gets no tree, its token is padding
             depth = depth.masked_fill(padded, 0)
-        tree = build_trees(drafts.logits, depth, budget, self.pad_token_id)
+            if paths is not None:
+                paths = [[] if stopped else row for row, stopped in zip(paths, padded.tolist())]
+        tree = build_trees(drafts.logits, depth, budget, self.pad_token_id, paths, path_nodes)
         cache = self.forward.cache
         width, past = tree.width, cache.columns
         ids = torch.cat([anchors[:, None], tree.tokens], dim=1)
@@ -245,6 +316,18 @@ class TreeVerifier:
         cache.move_to_front(order, width)
         path = by_order(ids)[:, 1:]
         committed = torch.cat([path, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
+        by_source = None
+        if paths is not None:
+            # each source's share of the step: the accepted path's leading nodes it proposed, and its deepest node
+            on_path = torch.arange(width - 1, device=accepted.device) < accepted[:, None]
+            path_sources = by_order(torch.cat([tree.sources.new_zeros(len(anchors), 1), tree.sources], 1))[:, 1:]
+            by_source = {
+                name: (
+                    leading_true((path_sources & bit).ne(0) & on_path),
+                    (tree.depths * (tree.sources & bit).ne(0)).amax(-1) if width > 1 else accepted,
+                )
+                for name, bit in (("drafter", DRAFTER), ("ngram", PATHS))
+            }
         return Verified(
             committed,
             accepted,
@@ -256,4 +339,5 @@ class TreeVerifier:
             by_order(features),
             trial,
             at,
+            by_source,
         )

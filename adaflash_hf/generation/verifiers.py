@@ -37,6 +37,9 @@ class Verified:
     features ``[B, width, K * H]``: the drafter's context from the verified columns, in commit order.
     trial: the forward timed a GEMM layout (`verify_layout.py`), a one-off cost.
     verified_at: the recorder's clock after the forward.
+    by_source: with merged n-gram paths (`tree.py`), ``{"drafter": (accepted, offered), "ngram": (accepted,
+    offered)}``, ``[B]`` each: the leading nodes of the accepted path each source proposed, and its deepest node
+    (``None`` otherwise).
     """
 
     committed: torch.LongTensor
@@ -49,6 +52,7 @@ class Verified:
     features: torch.Tensor
     trial: bool
     verified_at: float
+    by_source: dict[str, tuple[torch.LongTensor, torch.LongTensor]] | None = None
 
 
 @dataclass

@@ -1,0 +1,347 @@
+"""N-gram paths merged into the draft tree (`adaflash_ngram`): the suffix index equals one built from scratch and its
+lookups a brute-force scan; merged trees keep one node per prefix within the budget; outputs stay plain decoding's,
+greedy token for token and sampling in distribution (with a negative control on the merged paths)."""
+
+import random
+
+import pytest
+import torch
+from helpers import oracle_drafter, tiny_drafter, tiny_target
+from test_generate_batched import PAD, PROMPTS, alone, common_token, left_pad, rows_of
+from test_generate_sampling import NEW, PROMPT, SAMPLING, _next_token_probs, exact_joint, p_value
+from test_generate_tree import _runner_up_oracle
+from transformers import GenerationConfig
+
+import adaflash_hf
+from adaflash_hf.generation import tree as tree_module
+from adaflash_hf.generation.ngram import SCAN_PER_CONTINUATION, NgramIndex, SuffixIndex
+from adaflash_hf.generation.options import AdaFlashGenerationOptions
+from adaflash_hf.generation.planner import CostTable
+from adaflash_hf.generation.tree import DRAFTER, PATHS, build_trees, walk_trees
+
+# ------------------------------------------------------------------ the suffix index
+
+
+def _brute_force(context: list[int], max_match: int, min_match: int, length: int, continuations: int):
+    """The documented lookup by scanning the whole context (no index)."""
+    end = len(context)
+    for n in range(min(max_match, end - 1), min_match - 1, -1):
+        suffix = context[end - n :]
+        starts = [p for p in range(end - 1, n - 1, -1) if context[p - n : p] == suffix]  # most recent first
+        if not starts:
+            continue
+        chosen = []
+        for scanned, start in enumerate(starts, 1):
+            found = context[start : start + length]
+            if any(c[: len(found)] == found for c in chosen):
+                pass
+            elif any(found[: len(c)] == c for c in chosen):
+                chosen = [found if found[: len(c)] == c else c for c in chosen]
+                # several chosen ones cannot both be prefixes of `found`: they would be prefixes of each other
+            else:
+                chosen.append(found)
+            if len(chosen) >= continuations or scanned >= SCAN_PER_CONTINUATION * continuations:
+                break
+        return n, chosen
+    return 0, []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_incremental_index_equals_scratch_and_lookups_equal_a_scan(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 5, 20])  # small vocabularies repeat a lot, large ones rarely
+    max_match = rng.randint(1, 4)
+    min_match = rng.randint(1, max_match)
+    context = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+    index = SuffixIndex(max_match, min_match, context)
+    for _ in range(30):
+        new = [rng.randrange(vocab) for _ in range(rng.randint(0, 5))]
+        if rng.random() < 0.3:  # copy an earlier span, as generated text does
+            start = rng.randrange(len(context) + 1)
+            new += context[start : start + rng.randint(1, 6)]
+        index.extend(new)
+        context += new
+        scratch = SuffixIndex(max_match, min_match, context)
+        assert index.tokens == scratch.tokens == context
+        assert index.follow == scratch.follow
+        for length in (1, 3, 10):
+            for continuations in (1, 2, 4):
+                got = index.lookup(length, continuations)
+                assert got == _brute_force(context, max_match, min_match, length, continuations)
+                n, paths = got
+                for path in paths:  # each one follows an earlier occurrence of the matched suffix
+                    assert 1 <= len(path) <= length and n >= min_match
+
+
+def test_a_lookup_is_the_longest_match_most_recent_first():
+    index = SuffixIndex(max_match=3, tokens=[7, 1, 2, 3, 9, 1, 2, 4, 4, 5, 1, 2])
+    assert index.lookup(3, 1) == (2, [[4, 4, 5]])  # "1 2" last followed by 4 4 5
+    assert index.lookup(3, 3) == (2, [[4, 4, 5], [3, 9, 1]])
+    index.extend([3])
+    assert index.lookup(2, 2) == (3, [[9, 1]])  # "1 2 3" occurred once
+    assert SuffixIndex(2, tokens=[1, 2, 3]).lookup(5) == (0, [])  # nothing repeats
+    assert SuffixIndex(2, tokens=[5, 5]).lookup(4) == (1, [[5]])  # the continuation ends at the context's end
+
+
+def test_the_batch_index_follows_rows_and_cuts_paths():
+    index = NgramIndex([[1, 2, 3, 1, 2], [4, 4], [6]], max_match=2)
+    assert index.paths([10, 10, 10], 4, 1) == [[[3, 1, 2]], [[4]], []]
+    assert index.paths([2, 10, 10], 4, 1, stop=[3]) == [[[3]], [[4]], []]  # room, and the first stop token ends it
+    index.extend([[3], [], [6, 6]])
+    index.select_rows([2, 0])
+    assert index.paths([5, 5], 4, 1) == [[[6]], [[1, 2, 3]]]
+
+
+# ------------------------------------------------------------------ merged trees
+
+
+def _paths_of(tree, b):
+    paths = {0: ()}
+    for i, (token, parent) in enumerate(zip(tree.tokens[b].tolist(), tree.parents[b].tolist())):
+        if tree.valid[b, i]:
+            assert parent in paths  # parents come first
+            paths[i + 1] = paths[parent] + (token,)
+    return paths
+
+
+def test_paths_merge_into_the_drafters_tree_once_within_the_budget():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 6) * 3
+    alone = build_trees(logits, torch.tensor([4, 4]), 9)
+    top = logits.argmax(-1)[0].tolist()
+    paths = [[[top[0], top[1], 5, 5], [top[0], 0]], [[3, 3, 3]]]
+    merged = build_trees(logits, torch.tensor([4, 4]), 9, paths=paths, path_nodes=16)
+    assert merged.num_nodes.tolist() == [8, 8]  # the budget holds
+    for b in range(2):
+        found = _paths_of(merged, b)
+        assert len(set(found.values())) == len(found)  # one node per prefix
+        sources = dict(zip(range(1, 9), merged.sources[b].tolist()))
+        for path in paths[b]:
+            for d in range(1, len(path) + 1):
+                assert tuple(path[:d]) in found.values()
+        for i, path in found.items():
+            if i:
+                is_path = any(tuple(p[: len(path)]) == path for p in paths[b])
+                assert bool(sources[i] & PATHS) == is_path
+    # row 0's paths share the drafter's first two nodes: those carry both sources
+    row0 = {path: merged.sources[0, i - 1].item() for i, path in _paths_of(merged, 0).items() if i}
+    assert row0[tuple(top[:1])] == row0[tuple(top[:2])] == DRAFTER | PATHS
+    # the paths' own nodes are capped, the drafter fills the rest of the budget
+    capped = build_trees(logits, torch.tensor([4, 4]), 9, paths=paths, path_nodes=1)
+    assert (capped.sources[1] & PATHS).ne(0).sum() == 1 and capped.num_nodes.tolist() == [8, 8]
+    # without the drafter, the paths alone (a row without paths has no nodes)
+    only = build_trees(None, torch.tensor([0, 0]), 9, paths=[[[4, 5]], []], path_nodes=16)
+    assert only.num_nodes.tolist() == [2, 0] and only.sources[0].tolist() == [PATHS, PATHS]
+    assert alone.sources.eq(DRAFTER).all()
+
+
+# ------------------------------------------------------------------ greedy exactness
+
+
+def _generate(target, drafter, ids, mask, eos, max_new_tokens=30, **kwargs):
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        adaflash_ngram=True,
+        **kwargs,
+    )
+    with adaflash_hf.record_stats() as stats:
+        out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=drafter)
+    return out, stats
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_greedy_with_merged_paths_equals_plain_greedy(family, batch_size):
+    target = tiny_target(family)
+    prompts = PROMPTS[:batch_size]
+    free = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    eos = common_token(free)  # tiny random models loop: the EOS lies inside spans the paths copy
+    references = [alone(target, p, max_new_tokens=30, eos_token_id=eos) for p in prompts]
+    ids, mask = left_pad(prompts)
+    if batch_size == 1:
+        mask = None
+    full_refs = [p + r for p, r in zip(prompts, free)]
+    drafters = {
+        "random": tiny_drafter(target),
+        "oracle, runner-up right": _runner_up_oracle(target, full_refs, lambda row, anchor: {1 + (row + anchor) % 5}),
+    }
+    settings = [
+        {},
+        {"adaflash_tree_budget": 6, "adaflash_ngram_nodes": 3, "adaflash_ngram_continuations": 1},
+        {"adaflash_length_policy": "planned", "adaflash_ngram_max_match": 1},
+    ]
+    copied = 0
+    for name, drafter in drafters.items():
+        for kwargs in settings:
+            out, stats = _generate(target, drafter, ids, mask, eos, **kwargs)
+            for got, want in zip(rows_of(out, prompts), references):
+                assert got[: len(want)] == want, (name, kwargs)
+                assert all(t == PAD for t in got[len(want) :]), (name, kwargs)
+            assert max(step.verify_width for step in stats.steps) <= kwargs.get("adaflash_tree_budget", 8 + 16)
+            copied += stats.source_acceptance("ngram")["accepted"]
+    assert copied > 0
+
+
+def test_contexts_with_many_matches_and_with_none():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    many = [0] + [5, 9, 33, 17] * 6  # a prompt that repeats itself
+    none = [0, 44]  # nothing repeats in the prompt: the first steps have no path
+    for prompt in (many, none):
+        want = alone(target, prompt, max_new_tokens=40, eos_token_id=None)
+        out, stats = _generate(target, drafter, torch.tensor([prompt]), None, None, max_new_tokens=40)
+        assert out[0, len(prompt) :].tolist() == want
+        offered = [o for step in stats.steps for o in (step.ngram_offered or [0])]
+        if prompt is none:
+            assert offered[0] == 0
+    assert stats.source_acceptance("ngram")["accepted"] > 0  # the generated text repeats itself later
+
+
+def test_rows_leave_and_the_index_follows_them():
+    """Batch 8 with an EOS that stops rows at different steps: every row's paths come from its own context."""
+    target = tiny_target()
+    prompts = PROMPTS
+    free = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    eos = common_token(free)
+    references = [alone(target, p, max_new_tokens=30, eos_token_id=eos) for p in prompts]
+    ids, mask = left_pad(prompts)
+    oracle = oracle_drafter(target, [p + r for p, r in zip(prompts, free)])
+    for drafter in (tiny_drafter(target), oracle):
+        out, stats = _generate(target, drafter, ids, mask, eos)
+        for got, want in zip(rows_of(out, prompts), references):
+            assert got[: len(want)] == want
+        assert len({len(step.rows) for step in stats.steps}) > 1  # rows left the batch
+
+
+def test_the_planner_verifies_paths_without_the_drafter_when_it_does_not_pay():
+    """A drafter that never agrees: the planner stops drafting, and still verifies the paths, undrafted."""
+    target = tiny_target()
+    prompt = [0] + [5, 9, 33, 17] * 6
+    want = alone(target, prompt, max_new_tokens=60, eos_token_id=None)
+    out, stats = _generate(
+        target, tiny_drafter(target), torch.tensor([prompt]), None, None, 60, adaflash_length_policy="planned"
+    )
+    assert out[0, len(prompt) :].tolist() == want
+    undrafted = [s for s in stats.steps if s.verify_width > 1 and not any(s.drafter_offered or [0])]
+    assert undrafted and sum(a for s in undrafted for a in s.ngram_accepted) > 0
+
+
+def test_undrafted_widths_are_costed_apart_and_optimistically_until_measured():
+    table = CostTable()
+    table.observe(1, 1, 1.0)
+    table.observe(1, 4, 2.0)
+    assert table.path_cost(1, 6, drafted=True) == 2.0  # the nearest narrower drafted width
+    assert table.path_cost(1, 6, drafted=False) == 1.0  # the plain step, until an undrafted width is measured
+    table.observe_undrafted(1, 5, 1.2)
+    assert table.path_cost(1, 6, drafted=False) == 1.2 and table.path_cost(3, 5, drafted=False) == 1.2
+    assert table.cost(1, 5) != 1.2  # drafted costs do not see undrafted steps
+
+
+# ------------------------------------------------------------------ sampling exactness
+
+
+def _hybrid_samples(target, drafter, n, batch_size, prompt=PROMPT):
+    config = GenerationConfig(adaflash_ngram=True, adaflash_tree_budget=8, adaflash_ngram_nodes=4)
+    samples = []
+    with adaflash_hf.record_stats() as stats:
+        for _ in range(n // batch_size):
+            out = target.generate(
+                torch.tensor([prompt] * batch_size),
+                generation_config=config,
+                assistant_model=drafter,
+                max_new_tokens=NEW,
+                **SAMPLING,
+            )
+            samples += [tuple(row[len(prompt) :].tolist()) for row in out]
+    return samples, stats
+
+
+def _joint(target, prompt) -> dict[tuple, float]:
+    """`exact_joint` after another prompt (the attention mask given: a sampled pad token is attended to, as the
+    generation attends to it)."""
+    joint = {(): 1.0}
+    for _ in range(NEW):
+        grown = {}
+        for cell, p in joint.items():
+            prefix = prompt + list(cell)
+            probs = _next_token_probs(target, prefix, attention_mask=torch.ones(1, len(prefix), dtype=torch.long))
+            for token in probs.nonzero().flatten().tolist():
+                grown[cell + (token,)] = p * float(probs[token])
+        joint = grown
+    return joint
+
+
+@pytest.fixture(scope="module")
+def sampling_models():
+    target = tiny_target(vocab_size=12, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return target, tiny_drafter(target, block_size=4, mask_token_id=11)
+
+
+@pytest.mark.parametrize("batch_size", [1, 50])
+def test_sampling_with_merged_paths_matches_the_processed_distribution(sampling_models, batch_size):
+    target, drafter = sampling_models
+    torch.manual_seed(2027)
+    samples, stats = _hybrid_samples(target, drafter, 1500, batch_size)
+    assert stats.source_acceptance("ngram")["accepted"] > 0
+    assert p_value(samples, exact_joint(target)) > 1e-3
+
+
+def test_sampling_stays_exact_where_the_paths_are_often_accepted(sampling_models):
+    """A prompt that the target tends to continue as it did before (its own greedy continuation of `PROMPT`,
+    looping): half the path tokens verified are accepted, and the distribution is still the target's."""
+    target, drafter = sampling_models
+    prompt = target.generate(torch.tensor([PROMPT]), max_new_tokens=11, do_sample=False, eos_token_id=None)
+    prompt = prompt[0].tolist()
+    torch.manual_seed(2028)
+    samples, stats = _hybrid_samples(target, drafter, 1500, 50, prompt)
+    assert stats.source_acceptance("ngram")["rate"] > 0.3
+    assert p_value(samples, _joint(target, prompt)) > 1e-3
+
+
+def test_a_walk_that_takes_the_paths_token_fails_the_same_test(sampling_models, monkeypatch):
+    """Negative control: at the anchor, descend into the first merged path whatever the target sampled."""
+    target, drafter = sampling_models
+    real = walk_trees
+
+    def biased(tree, choices):
+        choices = choices.clone()
+        on_path = tree.valid[:, 0] & (tree.sources[:, 0] & PATHS).ne(0)
+        choices[:, 0] = torch.where(on_path, tree.tokens[:, 0], choices[:, 0])
+        return real(tree, choices)
+
+    monkeypatch.setattr(tree_module, "walk_trees", biased)
+    torch.manual_seed(2027)
+    samples, _ = _hybrid_samples(target, drafter, 1500, 50)
+    joint = exact_joint(target)
+    assert p_value([s for s in samples if s in joint], joint) < 1e-3
+
+
+# ------------------------------------------------------------------ options and refusals
+
+
+def test_options_are_validated_once_and_refused_where_trees_are():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    options = AdaFlashGenerationOptions.from_generation_config(GenerationConfig(adaflash_ngram=True), drafter.config)
+    assert options.ngram and options.tree_budget == drafter.config.block_size + options.ngram_nodes
+    assert (options.ngram_max_match, options.ngram_min_match, options.ngram_tokens) == (3, 1, 10)
+    bad = GenerationConfig(adaflash_ngram="yes", adaflash_ngram_tokens=0, adaflash_ngram_min_match=4)
+    with pytest.raises(ValueError) as error:
+        AdaFlashGenerationOptions.from_generation_config(bad, drafter.config)
+    for part in ("adaflash_ngram must be True or False", "adaflash_ngram_tokens must be a positive int"):
+        assert part in str(error.value)
+    with pytest.raises(ValueError, match="adaflash_ngram_min_match \\(4\\) exceeds adaflash_ngram_max_match"):
+        config = GenerationConfig(adaflash_ngram=True, adaflash_ngram_min_match=4)
+        AdaFlashGenerationOptions.from_generation_config(config, drafter.config)
+    with pytest.raises(ValueError, match="adaflash_ngram_nodes is set without adaflash_ngram=True"):
+        AdaFlashGenerationOptions.from_generation_config(GenerationConfig(adaflash_ngram_nodes=4), drafter.config)
+    ids = torch.tensor([PROMPTS[0]])
+    config = GenerationConfig(adaflash_ngram=True, repetition_penalty=1.3, max_new_tokens=5)
+    with pytest.raises(ValueError, match="adaflash_ngram does not support logits processors that read the ids"):
+        target.generate(ids, generation_config=config, assistant_model=drafter)
+    config = GenerationConfig(adaflash_ngram=True, adaflash_decoding_loop="transformers", max_new_tokens=5)
+    with pytest.raises(ValueError, match="adaflash_ngram needs adaflash_hf's loop"):
+        target.generate(ids, generation_config=config, assistant_model=drafter)
