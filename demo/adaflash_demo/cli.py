@@ -42,7 +42,14 @@ from adaflash_hf.utils import write_jsonl, write_text_atomic
 from . import demo as demo_data
 from .instructions import DOMAINS
 
-ADAFLASH_METHODS = ("adaflash_planned", "adaflash_adaptive", "adaflash_fixed", "adaflash_confidence", "adaflash_tree")
+ADAFLASH_METHODS = (
+    "adaflash_planned",
+    "adaflash_adaptive",
+    "adaflash_fixed",
+    "adaflash_confidence",
+    "adaflash_tree",
+    "adaflash_hybrid",
+)
 
 
 def load_demo_models(args) -> tuple:

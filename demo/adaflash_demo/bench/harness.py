@@ -37,6 +37,7 @@ METHODS = (
     "adaflash_confidence",
     "adaflash_planned",
     "adaflash_tree",
+    "adaflash_hybrid",
 )
 TREE_BUDGET = 32  # tokens per tree of `adaflash_tree`; `adaflash_tree<N>` (adaflash_tree16, ...) sets another
 LINEAR_SUFFIX = "_linear"  # `adaflash_planned_linear`, ...: the method without the measured verification layout
@@ -122,6 +123,18 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
         # of the layout choice
         return {**method_kwargs(method.removesuffix(LINEAR_SUFFIX), drafter), "adaflash_verify_layout": "linear"}
     policy = method.removeprefix("adaflash_")
+    if policy.startswith("hybrid"):
+        # the planner with n-gram paths from the context merged into its trees (adaflash_ngram); adaflash_hybrid<N>
+        # bounds the tree at N tokens (default: the drafter's block plus the paths' nodes)
+        budget = policy.removeprefix("hybrid")
+        if budget and not budget.isdigit():
+            raise ValueError(f"unknown method {method!r}: adaflash_hybrid takes a tree budget as adaflash_hybrid<N>")
+        return {
+            "assistant_model": drafter,
+            "adaflash_length_policy": "planned",
+            "adaflash_ngram": True,
+            **({"adaflash_tree_budget": int(budget)} if budget else {}),
+        }
     if policy.startswith(("tree", "planned_tree")):
         budget = policy.removeprefix("planned_").removeprefix("tree")
         if budget and not budget.isdigit():
