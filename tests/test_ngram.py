@@ -83,6 +83,23 @@ def test_a_lookup_is_the_longest_match_most_recent_first():
     assert SuffixIndex(2, tokens=[5, 5]).lookup(4) == (1, [[5]])  # the continuation ends at the context's end
 
 
+def test_a_step_costs_the_same_however_long_the_context(monkeypatch):
+    """Extending indexes one n-gram per match length and token; a lookup reads one entry per match length and scans
+    a bounded number of occurrences, however often the suffix occurred (counted, not timed)."""
+    from adaflash_hf.generation import ngram
+
+    scanned = []
+    real = ngram._add_distinct
+    monkeypatch.setattr(ngram, "_add_distinct", lambda chosen, found: (scanned.append(found), real(chosen, found)))
+    rng = random.Random(0)
+    for size in (100, 5000):
+        index = SuffixIndex(3, tokens=[rng.randrange(3) for _ in range(size)])  # every suffix occurred many times
+        assert len(index.follow) <= 3 + 9 + 27  # the distinct n-grams, not the context, bound the table
+        scanned.clear()
+        _, paths = index.lookup(10, 2)
+        assert len(paths) == 2 and len(scanned) <= 2 * SCAN_PER_CONTINUATION
+
+
 def test_the_batch_index_follows_rows_and_cuts_paths():
     index = NgramIndex([[1, 2, 3, 1, 2], [4, 4], [6]], max_match=2)
     assert index.paths([10, 10, 10], 4, 1) == [[[3, 1, 2]], [[4]], []]

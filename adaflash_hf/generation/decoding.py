@@ -4,7 +4,9 @@ Per step and per active row (docs/algorithm.md §3): the step's plan (`length_po
 planner) bounds the drafts, the drafter drafts one block after the anchor (`AdaFlashCandidateGenerator`), the plan
 picks how many drafts to verify, a verifier (`verifiers.LinearVerifier`, or `tree.TreeVerifier` with
 ``adaflash_tree_budget``) runs the target once over them and applies the acceptance rule, and the loop commits the
-accepted drafts plus one target token, which becomes the next anchor.
+accepted drafts plus one target token, which becomes the next anchor. With ``adaflash_ngram`` the step first looks up
+the continuations each row's committed context offers (`ngram.py`, an index the commits extend), the plan also
+decides how many of their tokens join the tree (and whether the drafter runs at all), and the tree verifies both.
 
 Batch > 1 (ragged acceptance): rows verify different numbers of tokens, padded to the longest; the target's cache
 (`cache.TargetCache`) keeps every row's rejected drafts and padding as masked holes, while each row carries explicit
