@@ -109,10 +109,10 @@ class CostTable:
         """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`):
         the measured cost, else the nearest narrower measured width's at the nearest measured row count (a lower
         bound, so that a width winning on it is run once and measured); ``None`` when nothing of the kind is."""
-        plain = {key: seconds for key, seconds in self.step_s.items() if key[1] == 1}
-        costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1} if drafted else plain
-        if not drafted:
-            costs = {**plain, **self.undrafted_s}
+        if drafted:
+            costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
+        else:  # a plain step is the undrafted width 1
+            costs = {**{key: s for key, s in self.step_s.items() if key[1] == 1}, **self.undrafted_s}
         if (rows, width) in costs:
             return costs[(rows, width)]
         if not costs:
