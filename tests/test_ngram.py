@@ -233,6 +233,22 @@ def test_rows_leave_and_the_index_follows_them():
         assert len({len(step.rows) for step in stats.steps}) > 1  # rows left the batch
 
 
+def test_output_scores_and_returned_cache_follow_the_accepted_path():
+    target = tiny_target()
+    prompts = [[0] + [5, 9, 33] * 3, [0, 44], PROMPTS[2]]
+    ids, mask = left_pad(prompts)
+    common = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    plain = target.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **common)
+    config = GenerationConfig(adaflash_ngram=True, output_scores=True, return_dict_in_generate=True, **common)
+    with adaflash_hf.record_stats() as stats:
+        out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=tiny_drafter(target))
+    assert stats.source_acceptance("ngram")["accepted"] > 0
+    assert torch.equal(out.sequences, plain.sequences)
+    for got, want in zip(out.scores, plain.scores):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert out.cache.get_seq_length() == plain.cache.get_seq_length()
+
+
 def test_the_planner_verifies_paths_without_the_drafter_when_it_does_not_pay():
     """A drafter that never agrees: the planner stops drafting, and still verifies the paths, undrafted."""
     target = tiny_target()

@@ -106,7 +106,9 @@ class RuntimeProfile:
                         "step_s": {f"{rows},{width}": s for (rows, width), s in table.step_s.items()},
                         "drafted_speedup": {str(rows): x for rows, x in table.drafted_speedup.items()},
                         "draft_s": {str(rows): x for rows, x in table.draft_s.items()},
+                        "undrafted_s": {f"{rows},{width}": s for (rows, width), s in table.undrafted_s.items()},
                         "acceptance": table.acceptance,
+                        "path_acceptance": table.path_acceptance,
                         "head_scale": table.head_scale,
                     }
                     for (device, dtype), table in self._cost_tables.items()
@@ -128,7 +130,11 @@ class RuntimeProfile:
                     cost.step_s[(int(rows), int(width))] = float(seconds)
                 cost.drafted_speedup.update({int(r): float(x) for r, x in table["drafted_speedup"].items()})
                 cost.draft_s.update({int(r): float(x) for r, x in table.get("draft_s", {}).items()})
+                for key, seconds in table.get("undrafted_s", {}).items():
+                    rows, width = key.split(",")
+                    cost.undrafted_s[(int(rows), int(width))] = float(seconds)
                 cost.acceptance, cost.head_scale = float(table["acceptance"]), float(table["head_scale"])
+                cost.path_acceptance = float(table.get("path_acceptance", cost.path_acceptance))
             for key, dtype in state["head_dtypes"]:
                 self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
             for key, layout in state["layouts"]:
