@@ -378,3 +378,88 @@ def test_options_are_validated_once_and_refused_where_trees_are():
     config = GenerationConfig(adaflash_ngram=True, adaflash_decoding_loop="transformers", max_new_tokens=5)
     with pytest.raises(ValueError, match="adaflash_ngram needs adaflash_hf's loop"):
         target.generate(ids, generation_config=config, assistant_model=drafter)
+
+
+# ------------------------------------------------------------------ n-gram paths only (no drafter)
+
+
+def _lookup(target, ids, mask, eos, **kwargs):
+    config = GenerationConfig(
+        max_new_tokens=40,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        prompt_lookup_num_tokens=10,
+        adaflash_ngram=True,
+        **kwargs,
+    )
+    with adaflash_hf.record_stats() as stats:
+        out = target.generate(ids, attention_mask=mask, generation_config=config)
+    return out, stats
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_prompt_lookup_in_our_loop_equals_plain_greedy_at_any_batch_size(family, batch_size):
+    target = tiny_target(family)
+    prompts = [[0] + [5, 9, 33, 17] * 3, *PROMPTS[1:3]][:batch_size]
+    free = [alone(target, p, max_new_tokens=40, eos_token_id=None) for p in prompts]
+    eos = common_token(free)
+    references = [alone(target, p, max_new_tokens=40, eos_token_id=eos) for p in prompts]
+    ids, mask = left_pad(prompts)
+    out, stats = _lookup(target, ids, None if batch_size == 1 else mask, eos)
+    for got, want in zip(rows_of(out, prompts), references):
+        assert got[: len(want)] == want
+        assert all(t == PAD for t in got[len(want) :])
+    assert stats.source_acceptance("ngram")["accepted"] > 0 and stats.source_acceptance("drafter")["offered"] == 0
+    if batch_size == 1:  # transformers' own prompt lookup (batch 1 only) gives the same output
+        theirs = target.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=PAD,
+                                 prompt_lookup_num_tokens=10)  # fmt: skip
+        assert torch.equal(out, theirs)
+
+
+def test_prompt_lookup_in_our_loop_samples_the_processed_distribution(sampling_models):
+    target, _ = sampling_models
+    prompt = target.generate(torch.tensor([PROMPT]), max_new_tokens=11, do_sample=False, eos_token_id=None)
+    prompt = prompt[0].tolist()
+    config = GenerationConfig(adaflash_ngram=True)
+    torch.manual_seed(2029)
+    samples = []
+    with adaflash_hf.record_stats() as stats:
+        for _ in range(30):
+            out = target.generate(
+                torch.tensor([prompt] * 50),
+                generation_config=config,
+                prompt_lookup_num_tokens=4,
+                max_new_tokens=NEW,
+                **SAMPLING,
+            )
+            samples += [tuple(row[len(prompt) :].tolist()) for row in out]
+    assert stats.source_acceptance("ngram")["accepted"] > 0
+    assert p_value(samples, _joint(target, prompt)) > 1e-3
+
+
+def test_prompt_lookup_settings_are_read_and_refused_clearly():
+    options = AdaFlashGenerationOptions.from_generation_config(
+        GenerationConfig(adaflash_ngram=True, prompt_lookup_num_tokens=7, max_matching_ngram_size=4), None
+    )
+    assert (options.ngram_tokens, options.ngram_max_match, options.ngram_continuations) == (7, 4, 1)
+    assert options.length_policy.length_policy == "planned" and options.tree_budget == 1 + options.ngram_nodes
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=7 and adaflash_ngram_tokens=5 disagree"):
+        config = GenerationConfig(adaflash_ngram=True, prompt_lookup_num_tokens=7, adaflash_ngram_tokens=5)
+        AdaFlashGenerationOptions.from_generation_config(config, None)
+    with pytest.raises(ValueError, match="adaflash_length_policy need a drafter"):
+        config = GenerationConfig(adaflash_ngram=True, adaflash_length_policy="fixed")
+        AdaFlashGenerationOptions.from_generation_config(config, None)
+    target = tiny_target()
+    ids = torch.tensor([PROMPTS[0]])
+    with pytest.raises(ValueError, match="pass prompt_lookup_num_tokens=k"):
+        target.generate(ids, generation_config=GenerationConfig(adaflash_ngram=True, max_new_tokens=4))
+    out = target.generate(
+        ids,
+        custom_generate=adaflash_hf.generate_loop,
+        generation_config=GenerationConfig(
+            adaflash_ngram=True, prompt_lookup_num_tokens=10, max_new_tokens=8, do_sample=False
+        ),
+    )
+    assert out[0, len(PROMPTS[0]) :].tolist() == alone(target, PROMPTS[0], max_new_tokens=8)

@@ -63,6 +63,12 @@ class Drafts:
     num_drafts: torch.LongTensor
     length_prediction: torch.Tensor | None = None
 
+    @classmethod
+    def none(cls, anchors: torch.LongTensor) -> Drafts:
+        """No drafts for any row (a step the drafter does not run)."""
+        batch = anchors.shape[0]
+        return cls(tokens=anchors.new_zeros((batch, 0)), logits=None, probs=None, num_drafts=anchors.new_zeros(batch))
+
 
 def _all_true(mask: torch.Tensor | None) -> bool:
     return mask is None or bool(mask.all())
@@ -88,7 +94,42 @@ def adapter_names_for(drafter, names: list[str] | None) -> list[str] | None:
     return list(names)
 
 
-class AdaFlashCandidateGenerator(CandidateGenerator):
+class ContextPaths:
+    """The loop's n-gram side (``adaflash_ngram``, `ngram.py`): each active row's index, started from its prompt and
+    extended by its commits, and the continuations it offers each step. Needs ``self.options``; rows follow the batch
+    through ``self.ngram.select_rows`` in the owner's `select_rows`."""
+
+    options: AdaFlashGenerationOptions
+    ngram: NgramIndex | None = None
+
+    def start_ngram(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> None:
+        """With ``adaflash_ngram``: indexes each row's prompt (its unmasked tokens) for n-gram continuations."""
+        if not self.options.ngram:
+            return
+        rows = input_ids.tolist()
+        if attention_mask is not None:
+            rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(rows, attention_mask.tolist())]
+        self.ngram = NgramIndex(rows, self.options.ngram_max_match, self.options.ngram_min_match)
+
+    def committed(self, tokens: torch.LongTensor, counts: torch.LongTensor) -> None:
+        """Each active row committed ``tokens[b, :counts[b]]``: the n-gram index takes them (rejected drafts never
+        enter it)."""
+        if self.ngram is not None:
+            self.ngram.extend([row[:n] for row, n in zip(tokens.tolist(), counts.tolist())])
+
+    def ngram_paths(self, room: torch.LongTensor, stop: torch.Tensor | None) -> list[list[list[int]]] | None:
+        """Each active row's n-gram continuations for this step (``None`` without ``adaflash_ngram``), at most
+        ``room [B]`` tokens each, ending at their first `stop` token."""
+        if self.ngram is None:
+            return None
+        options = self.options
+        stop_ids = () if stop is None else stop.tolist()
+        return self.ngram.paths(
+            room.clamp(min=0).tolist(), options.ngram_tokens, options.ngram_continuations, stop_ids
+        )
+
+
+class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
     """Drafts with an AdaFlash / DFlash drafter from the target's hidden states.
 
     Args:
@@ -140,8 +181,7 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
         self.adapter_names = adapter_names_for(drafter, options.adapter_names)
         self.cache = DFlashCache(config=config)
         self.cache_mask: torch.Tensor | None = None
-        self.options = options
-        self.ngram: NgramIndex | None = None  # with adaflash_ngram, from `start_ngram`: rows follow the batch
+        self.options = options  # `ContextPaths` reads the n-gram settings
         self._pending: list[tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None]] = []
 
     # ------------------------------------------------------------------ batched core
@@ -187,38 +227,10 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
                 )
         return features, positions, None if _all_true(valid) else valid
 
-    def start_ngram(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None) -> None:
-        """With ``adaflash_ngram``: indexes each row's prompt (its unmasked tokens) for n-gram continuations."""
-        if not self.options.ngram:
-            return
-        rows = input_ids.tolist()
-        if attention_mask is not None:
-            rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(rows, attention_mask.tolist())]
-        self.ngram = NgramIndex(rows, self.options.ngram_max_match, self.options.ngram_min_match)
-
-    def committed(self, tokens: torch.LongTensor, counts: torch.LongTensor) -> None:
-        """Each active row committed ``tokens[b, :counts[b]]``: the n-gram index takes them (rejected drafts never
-        enter it)."""
-        if self.ngram is not None:
-            self.ngram.extend([row[:n] for row, n in zip(tokens.tolist(), counts.tolist())])
-
-    def ngram_paths(self, room: torch.LongTensor, stop: torch.Tensor | None) -> list[list[list[int]]] | None:
-        """Each active row's n-gram continuations for this step (``None`` without ``adaflash_ngram``), at most
-        ``room [B]`` tokens each, ending at their first `stop` token."""
-        if self.ngram is None:
-            return None
-        options = self.options
-        stop_ids = () if stop is None else stop.tolist()
-        return self.ngram.paths(
-            room.clamp(min=0).tolist(), options.ngram_tokens, options.ngram_continuations, stop_ids
-        )
-
     def skip(self, anchors: torch.LongTensor) -> Drafts:
         """A step without drafts (the step's plan chose a plain step): the drafter does not run, and the context
         queued for it waits, with the context of this step, for the next `draft()`."""
-        batch = anchors.shape[0]
-        none = anchors.new_zeros((batch, 0))
-        return Drafts(tokens=none, logits=None, probs=None, num_drafts=anchors.new_zeros(batch))
+        return Drafts.none(anchors)
 
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keeps only the batch rows in `index` (finished rows stop costing drafter compute).
@@ -386,3 +398,33 @@ class AdaFlashCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         """The length policy is stateless per step; nothing to adapt here."""
+
+
+class PathProposer(ContextPaths):
+    """The loop's drafter side with no drafter (n-gram paths only, ``adaflash_ngram`` without ``assistant_model``):
+    it never drafts (the planner's block is one token, `planner.step_plan`), so the steps verify the paths its
+    context offers, or the anchor alone. The target computes no hidden state for it but the embeddings, whose
+    zero-width slice keeps the loop's shapes (`context_features`)."""
+
+    def __init__(self, generation_config, options: AdaFlashGenerationOptions):
+        self.options = options
+        self.do_sample = bool(generation_config.do_sample)
+        self.choose = token_chooser(self.do_sample)
+        self.block_size = 1
+        self.model_kwargs_overrides = {"output_hidden_states": [0]}
+
+    def context_features(self, hidden_states: tuple) -> torch.Tensor:
+        return hidden_states[0][..., :0]
+
+    def add_context(self, features, positions, valid=None) -> None:
+        pass
+
+    def skip(self, anchors: torch.LongTensor) -> Drafts:
+        return Drafts.none(anchors)
+
+    def draft(self, *args, **kwargs) -> Drafts:
+        raise RuntimeError("PathProposer has no drafter: the planner of the n-gram-only loop never drafts")
+
+    def select_rows(self, index: torch.LongTensor) -> None:
+        if self.ngram is not None:
+            self.ngram.select_rows(index.tolist())

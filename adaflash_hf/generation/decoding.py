@@ -30,7 +30,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import TargetCache
-from .candidate_generator import AdaFlashCandidateGenerator
+from .candidate_generator import AdaFlashCandidateGenerator, PathProposer
 from .checks import check_call
 from .options import AdaFlashGenerationOptions
 from .planner import step_plan
@@ -65,12 +65,16 @@ class SpeculativeDecoding:
         streamer,
         model_kwargs,
     ):
-        options = AdaFlashGenerationOptions.from_generation_config(generation_config, drafter.config)
+        drafter_config = None if drafter is None else drafter.config  # None: n-gram paths only (`PathProposer`)
+        options = AdaFlashGenerationOptions.from_generation_config(generation_config, drafter_config)
         check_call(target, input_ids, generation_config, logits_processor, streamer, model_kwargs, options)
         profile = profile_for(target, drafter)
         self.target, self.config, self.processors = target, generation_config, logits_processor
         self.streamer = streamer
-        self.generator = AdaFlashCandidateGenerator(target, drafter, generation_config, logits_processor, options)
+        if drafter is None:
+            self.generator = PathProposer(generation_config, options)
+        else:
+            self.generator = AdaFlashCandidateGenerator(target, drafter, generation_config, logits_processor, options)
         self.hidden_layers = self.generator.model_kwargs_overrides["output_hidden_states"]
         self.cache = TargetCache(model_kwargs["cache"])
         self.attention_mask = model_kwargs.get("attention_mask")
@@ -106,7 +110,7 @@ class SpeculativeDecoding:
         self.profile = profile
 
         dtype = next(target.parameters()).dtype
-        self.plan = step_plan(options.length_policy, profile, drafter.config, batch, input_ids.device, dtype)
+        self.plan = step_plan(options.length_policy, profile, drafter_config, batch, input_ids.device, dtype)
         layout = VerifyLayout(target, options.verify_layout, profile)
         features = self.generator.context_features
         forward = TargetForward(

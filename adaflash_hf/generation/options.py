@@ -76,7 +76,8 @@ class AdaFlashGenerationOptions:
     @classmethod
     def from_generation_config(cls, generation_config, drafter_config) -> AdaFlashGenerationOptions:
         """The call's options: ``adaflash_*`` attributes of ``generation_config`` over the drafter config's length
-        policy. Raises one `ValueError` naming every problem."""
+        policy (``drafter_config=None``: the n-gram-only loop, `paths_only`). Raises one `ValueError` naming every
+        problem."""
         given = {
             name: value
             for name, value in vars(generation_config).items()
@@ -88,11 +89,15 @@ class AdaFlashGenerationOptions:
             for name in sorted(set(given) - set(valid))
         ]
 
-        policy_values = {
-            f.name: given.get(PREFIX + f.name, getattr(drafter_config, f.name)) for f in fields(LengthPolicy)
-        }
-        policy = LengthPolicy(**policy_values)
-        problems += policy.problems(drafter_config, prefix=PREFIX)
+        if drafter_config is None:
+            given, problems = paths_only(generation_config, given, problems)
+            policy = LengthPolicy(length_policy="planned")
+        else:
+            policy_values = {
+                f.name: given.get(PREFIX + f.name, getattr(drafter_config, f.name)) for f in fields(LengthPolicy)
+            }
+            policy = LengthPolicy(**policy_values)
+            problems += policy.problems(drafter_config, prefix=PREFIX)
 
         budget = given.get(PREFIX + "tree_budget")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
@@ -117,7 +122,8 @@ class AdaFlashGenerationOptions:
                 f"({sizes['ngram_max_match']}); the suffixes matched are max_match tokens down to min_match"
             )
         if ngram is True and budget is None:
-            budget = drafter_config.block_size + sizes["ngram_nodes"]  # the drafter's block, and the paths' room
+            block = 1 if drafter_config is None else drafter_config.block_size
+            budget = block + sizes["ngram_nodes"]  # the drafter's block, and the paths' room
         layout = given.get(PREFIX + "verify_layout", "auto")
         if layout not in VERIFY_LAYOUTS:
             problems.append(
@@ -166,3 +172,36 @@ class AdaFlashGenerationOptions:
             verify_layout=layout,
             decoding_loop=loop,
         )
+
+
+def paths_only(generation_config, given: dict, problems: list[str]) -> tuple[dict, list[str]]:
+    """The settings of the n-gram-only loop (no drafter: ``generate(prompt_lookup_num_tokens=k,
+    generation_config=GenerationConfig(adaflash_ngram=True))``): transformers' prompt lookup settings name the
+    continuation length and the longest match, unless the ``adaflash_ngram_*`` ones are given, and the planner
+    chooses every step's width (no length policy applies without a drafter)."""
+    given = dict(given)
+    if given.get(PREFIX + "ngram") is not True:
+        problems.append(
+            "without an AdaFlash drafter adaflash_hf's loop verifies n-gram paths only: set adaflash_ngram=True, or "
+            "pass assistant_model=<AdaFlashDrafter>"
+        )
+        return given, problems
+    transformers_names = {"ngram_tokens": "prompt_lookup_num_tokens", "ngram_max_match": "max_matching_ngram_size"}
+    for ours, theirs in transformers_names.items():
+        value = getattr(generation_config, theirs, None)
+        if value is not None:
+            if PREFIX + ours in given and given[PREFIX + ours] != value:
+                problems.append(f"{theirs}={value} and {PREFIX}{ours}={given[PREFIX + ours]} disagree; give one")
+            given.setdefault(PREFIX + ours, value)
+    if PREFIX + "ngram_max_match" not in given:
+        given[PREFIX + "ngram_max_match"] = 2  # transformers' prompt lookup default
+    if PREFIX + "ngram_continuations" not in given:
+        given[PREFIX + "ngram_continuations"] = 1  # a chain: what prompt lookup verifies
+    drafter_only = sorted(
+        name
+        for name in given
+        if name.removeprefix(PREFIX) in {f.name for f in fields(LengthPolicy)} | {"draft_head_dtype", "adapter_names"}
+    )
+    if drafter_only:
+        problems.append(f"{', '.join(drafter_only)} need a drafter; drop them for n-gram-only decoding")
+    return given, problems

@@ -583,14 +583,15 @@ class VerificationPlanner:
 
 def step_plan(policy: LengthPolicy, profile, drafter_config, batch_size: int, device, dtype) -> StepPlan:
     """The loop's `StepPlan` for a call: the planner for ``planned`` (its table the pair's `RuntimeProfile`'s for this
-    device and dtype), else `PolicyPlan`."""
+    device and dtype), else `PolicyPlan`. Without a drafter (``drafter_config=None``, n-gram paths only), the planner
+    with a block of one token: it never drafts, and chooses each step's path tokens (`plan_paths`)."""
     if policy.length_policy != "planned":
         return PolicyPlan()
     return VerificationPlanner(
         profile.cost_table(device, dtype),
-        drafter_config.block_size,
+        1 if drafter_config is None else drafter_config.block_size,
         batch_size,
         device,
-        length_head=bool(drafter_config.use_length_head),
+        length_head=drafter_config is not None and bool(drafter_config.use_length_head),
         lock=profile.lock,
     )

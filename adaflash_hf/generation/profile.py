@@ -228,8 +228,19 @@ def machine_key() -> dict:
     return {name: info.get(name) for name in (*keep, "cpu_capability", "gpus")}
 
 
+class _NoDrafter:
+    """The drafter slot of the n-gram-only loop's profile (weakly referenced like a drafter; lives forever)."""
+
+    config = None
+
+
+_NO_DRAFTER = _NoDrafter()
+
+
 def profile_for(target, drafter) -> RuntimeProfile:
-    """The profile of this (target, drafter) pair in this process (made on first use)."""
+    """The profile of this (target, drafter) pair in this process (made on first use); ``drafter=None``: the
+    target's own, for the n-gram-only loop."""
+    drafter = _NO_DRAFTER if drafter is None else drafter
     with _PROFILES_LOCK:
         per_target = _PROFILES.setdefault(drafter, weakref.WeakKeyDictionary())
         profile = per_target.get(target)

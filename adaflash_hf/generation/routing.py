@@ -6,7 +6,8 @@ on the drafter's duck-typed `_is_adaflash_drafter` marker (which survives PEFT w
 otherwise chains to the method that was there before, so ordinary assistants and other patchers are untouched:
 
 * `_validate_generation_mode`: clear errors for what speculative decoding cannot do (beam search, ...);
-* `_assisted_decoding`: our loop (`decoding.py`), any batch size;
+* `_assisted_decoding`: our loop (`decoding.py`), any batch size; also prompt lookup (``prompt_lookup_num_tokens``)
+  with ``adaflash_ngram=True`` and no assistant, which our loop runs with n-gram paths only;
 * `_get_candidate_generator`: `AdaFlashCandidateGenerator`, for callers that choose transformers' own loop with
   ``GenerationConfig(adaflash_decoding_loop="transformers")`` (batch 1; compile, output_attentions, ...). That loop
   checks stopping criteria once per accepted block, so it is refused with criteria beyond EOS and max length (stop
@@ -72,6 +73,12 @@ def _ours(assistant_model, generation_config) -> bool:
     return is_adaflash_drafter(assistant_model) and generation_config.speculation_type != "dflash"
 
 
+def _paths_only(assistant_model, generation_config) -> bool:
+    """Prompt lookup in our loop: ``generate(prompt_lookup_num_tokens=k)`` with ``adaflash_ngram=True`` and no
+    assistant (n-gram paths only: batched, lossless, `candidate_generator.PathProposer`)."""
+    return assistant_model is None and getattr(generation_config, "adaflash_ngram", None) is True
+
+
 def _options(assistant_model, generation_config) -> AdaFlashGenerationOptions:
     return AdaFlashGenerationOptions.from_generation_config(generation_config, assistant_model.config)
 
@@ -86,6 +93,12 @@ def _validate_generation_mode(previous, self, generation_mode, generation_config
             )
         if "assistant_tokenizer" in generation_mode_kwargs:
             raise ValueError("An AdaFlash drafter shares the target's tokenizer: do not pass assistant_tokenizer.")
+    elif _paths_only(assistant, generation_config) and generation_mode != GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            f"adaflash_ngram=True without an assistant_model is prompt lookup in adaflash_hf's loop: pass "
+            f"prompt_lookup_num_tokens=k (tokens per continuation) with greedy decoding or sampling (this call is "
+            f"{generation_mode.value}), or pass assistant_model=<AdaFlashDrafter>, or drop adaflash_ngram."
+        )
     return previous(self, generation_mode, generation_config, generation_mode_kwargs)
 
 
@@ -107,12 +120,12 @@ def _assisted_decoding(
     ours = _ours(assistant_model, generation_config)
     if ours and _options(assistant_model, generation_config).decoding_loop == "transformers":
         _check_transformers_loop(input_ids, stopping_criteria)
-    elif ours:
+    elif ours or _paths_only(assistant_model, generation_config):
         if synced_gpus:
             raise ValueError("adaflash_hf's decoding loop does not support synced_gpus (FSDP/ZeRO-3 generation).")
         return adaflash_decoding(
             self,
-            assistant_model,
+            assistant_model if ours else None,
             input_ids,
             logits_processor,
             stopping_criteria,
@@ -257,13 +270,15 @@ def generate_loop(
     adaflash_streamer=None,
     **model_kwargs,
 ):
-    """Patch-free entry point: ``target.generate(**inputs, custom_generate=adaflash_hf.generate_loop, drafter=d)``.
+    """Patch-free entry point: ``target.generate(**inputs, custom_generate=adaflash_hf.generate_loop, drafter=d)``
+    (no drafter, with ``adaflash_ngram=True`` and ``prompt_lookup_num_tokens``: n-gram paths only).
 
     transformers does not forward `streamer` to a `custom_generate` callable, hence `adaflash_streamer`.
     """
-    if not is_adaflash_drafter(drafter):
+    if not (is_adaflash_drafter(drafter) or _paths_only(drafter, generation_config)):
         raise ValueError(
-            "generate_loop needs drafter=<AdaFlashDrafter> (custom_generate callables get no assistant_model)"
+            "generate_loop needs drafter=<AdaFlashDrafter> (custom_generate callables get no assistant_model), or "
+            "adaflash_ngram=True for n-gram paths only"
         )
     return adaflash_decoding(
         model,

@@ -49,6 +49,7 @@ ADAFLASH_METHODS = (
     "adaflash_confidence",
     "adaflash_tree",
     "adaflash_hybrid",
+    "adaflash_lookup",
 )
 
 

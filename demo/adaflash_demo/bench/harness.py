@@ -38,7 +38,9 @@ METHODS = (
     "adaflash_planned",
     "adaflash_tree",
     "adaflash_hybrid",
+    "adaflash_lookup",
 )
+PATHS_ONLY = "adaflash_lookup"  # prompt lookup in our loop (adaflash_ngram, no drafter): batched, beside prompt_lookup
 TREE_BUDGET = 32  # tokens per tree of `adaflash_tree`; `adaflash_tree<N>` (adaflash_tree16, ...) sets another
 LINEAR_SUFFIX = "_linear"  # `adaflash_planned_linear`, ...: the method without the measured verification layout
 BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
@@ -116,6 +118,8 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
         return {"assistant_model": ar_draft}
     if method == "prompt_lookup":
         return {"prompt_lookup_num_tokens": 10}
+    if method == PATHS_ONLY:
+        return {"prompt_lookup_num_tokens": 10, "adaflash_ngram": True}
     if method == "native_dflash":
         return {"assistant_model": drafter, "speculation_type": "dflash"}
     if method.startswith("adaflash_") and method.endswith(LINEAR_SUFFIX):
@@ -157,7 +161,7 @@ def available_methods(methods, batch_size: int, drafter=None, ar_draft=None) -> 
             continue
         if method == "hf_assisted" and ar_draft is None:
             continue
-        if method.startswith(("native", "adaflash")) and drafter is None:
+        if method.startswith(("native", "adaflash")) and drafter is None and method != PATHS_ONLY:
             continue
         if method == "adaflash_adaptive" and not drafter.config.use_length_head:
             continue
