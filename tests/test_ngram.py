@@ -361,6 +361,9 @@ def test_options_are_validated_once_and_refused_where_trees_are():
     options = AdaFlashGenerationOptions.from_generation_config(GenerationConfig(adaflash_ngram=True), drafter.config)
     assert options.ngram and options.tree_budget == drafter.config.block_size + options.ngram_nodes
     assert (options.ngram_max_match, options.ngram_min_match, options.ngram_tokens) == (3, 1, 10)
+    config = GenerationConfig(adaflash_ngram=True, prompt_lookup_num_tokens=5, max_matching_ngram_size=4)
+    options = AdaFlashGenerationOptions.from_generation_config(config, drafter.config)
+    assert (options.ngram_tokens, options.ngram_max_match) == (5, 4)  # transformers' names, read as ours
     bad = GenerationConfig(adaflash_ngram="yes", adaflash_ngram_tokens=0, adaflash_ngram_min_match=4)
     with pytest.raises(ValueError) as error:
         AdaFlashGenerationOptions.from_generation_config(bad, drafter.config)

@@ -40,12 +40,15 @@ class AdaFlashGenerationOptions:
         anchor included (`tree.py`); ``None`` verifies the linear block.
     ngram (`bool`): ``adaflash_ngram``: add the continuations the row's own context offers for its suffix (prompt
         lookup, `ngram.py`) to each step's draft tree, verified in the same forward (`tree.py`); implies tree
-        verification (``tree_budget`` defaults to the drafter's block plus ``ngram_nodes``).
-    ngram_max_match, ngram_min_match (`int`): ``adaflash_ngram_max_match`` (3), ``adaflash_ngram_min_match`` (1):
-        the suffix lengths matched, longest first (transformers' ``max_matching_ngram_size`` is the first).
+        verification (``tree_budget`` defaults to the drafter's block plus ``ngram_nodes``). Without a drafter
+        (``prompt_lookup_num_tokens`` and no ``assistant_model``): prompt lookup in adaflash_hf's loop, `paths_only`.
+    ngram_max_match, ngram_min_match (`int`): ``adaflash_ngram_max_match`` (3; 2 without a drafter),
+        ``adaflash_ngram_min_match`` (1): the suffix lengths matched, longest first (transformers'
+        ``max_matching_ngram_size`` is read as the first).
     ngram_tokens (`int`): ``adaflash_ngram_tokens`` (10): tokens per continuation (transformers'
-        ``prompt_lookup_num_tokens``).
-    ngram_continuations (`int`): ``adaflash_ngram_continuations`` (2): distinct continuations of one match.
+        ``prompt_lookup_num_tokens`` is read as it).
+    ngram_continuations (`int`): ``adaflash_ngram_continuations`` (2; 1 without a drafter): distinct continuations
+        of one match.
     ngram_nodes (`int`): ``adaflash_ngram_nodes`` (16): most tree nodes the continuations take per row and step,
         within ``tree_budget``.
     verify_layout (`str`): ``adaflash_verify_layout``: ``"auto"``, ``"linear"`` or ``"transposed"``
@@ -89,8 +92,10 @@ class AdaFlashGenerationOptions:
             for name in sorted(set(given) - set(valid))
         ]
 
+        if given.get(PREFIX + "ngram") is True:
+            given = prompt_lookup_names(generation_config, given, problems)
         if drafter_config is None:
-            given, problems = paths_only(generation_config, given, problems)
+            given, problems = paths_only(given, problems)
             policy = LengthPolicy(length_policy="planned")
         else:
             policy_values = {
@@ -174,11 +179,11 @@ class AdaFlashGenerationOptions:
         )
 
 
-def paths_only(generation_config, given: dict, problems: list[str]) -> tuple[dict, list[str]]:
+def paths_only(given: dict, problems: list[str]) -> tuple[dict, list[str]]:
     """The settings of the n-gram-only loop (no drafter: ``generate(prompt_lookup_num_tokens=k,
-    generation_config=GenerationConfig(adaflash_ngram=True))``): transformers' prompt lookup settings name the
-    continuation length and the longest match, unless the ``adaflash_ngram_*`` ones are given, and the planner
-    chooses every step's width (no length policy applies without a drafter)."""
+    generation_config=GenerationConfig(adaflash_ngram=True))``): prompt lookup's defaults (the longest match 2
+    tokens, one continuation), and the planner chooses every step's width (no length policy applies without a
+    drafter)."""
     given = dict(given)
     if given.get(PREFIX + "ngram") is not True:
         problems.append(
@@ -186,13 +191,6 @@ def paths_only(generation_config, given: dict, problems: list[str]) -> tuple[dic
             "pass assistant_model=<AdaFlashDrafter>"
         )
         return given, problems
-    transformers_names = {"ngram_tokens": "prompt_lookup_num_tokens", "ngram_max_match": "max_matching_ngram_size"}
-    for ours, theirs in transformers_names.items():
-        value = getattr(generation_config, theirs, None)
-        if value is not None:
-            if PREFIX + ours in given and given[PREFIX + ours] != value:
-                problems.append(f"{theirs}={value} and {PREFIX}{ours}={given[PREFIX + ours]} disagree; give one")
-            given.setdefault(PREFIX + ours, value)
     if PREFIX + "ngram_max_match" not in given:
         given[PREFIX + "ngram_max_match"] = 2  # transformers' prompt lookup default
     if PREFIX + "ngram_continuations" not in given:
@@ -205,3 +203,18 @@ def paths_only(generation_config, given: dict, problems: list[str]) -> tuple[dic
     if drafter_only:
         problems.append(f"{', '.join(drafter_only)} need a drafter; drop them for n-gram-only decoding")
     return given, problems
+
+
+def prompt_lookup_names(generation_config, given: dict, problems: list[str]) -> dict:
+    """With ``adaflash_ngram=True``, transformers' prompt lookup settings (``prompt_lookup_num_tokens``,
+    ``max_matching_ngram_size``) name the continuation length and the longest match where the ``adaflash_ngram_*``
+    ones are not given; both given and different is a problem."""
+    given = dict(given)
+    names = {"ngram_tokens": "prompt_lookup_num_tokens", "ngram_max_match": "max_matching_ngram_size"}
+    for ours, theirs in names.items():
+        value = getattr(generation_config, theirs, None)
+        if value is not None:
+            if PREFIX + ours in given and given[PREFIX + ours] != value:
+                problems.append(f"{theirs}={value} and {PREFIX}{ours}={given[PREFIX + ours]} disagree; give one")
+            given.setdefault(PREFIX + ours, value)
+    return given
