@@ -28,7 +28,8 @@ added as paths of the same tree before the drafter's nodes, a prefix the two sha
 carry distinct tokens, whoever proposed them), and the drafter's best-first nodes fill the rest of the budget. The
 argument above never used where a node came from: it needs a tree fixed before the target's choices are drawn, with
 distinct tokens among siblings and parents before children. The n-gram paths are a function of the committed tokens
-only (deterministic proposals), so the merged tree is fixed before the forward, and the walk commits exactly the
+only (deterministic proposals), and how many of their tokens a step takes (the plan's choice) depends only on earlier
+steps and their timings, so the merged tree is fixed before this step's draws, and the walk commits exactly the
 target's own choices whichever source proposed the path it follows; greedy output stays plain greedy output and
 sampled output keeps plain sampling's distribution.
 
