@@ -233,11 +233,14 @@ def test_rows_leave_and_the_index_follows_them():
         assert len({len(step.rows) for step in stats.steps}) > 1  # rows left the batch
 
 
-def test_output_scores_and_returned_cache_follow_the_accepted_path():
+@pytest.mark.parametrize("with_eos", [False, True])
+def test_output_scores_and_returned_cache_follow_the_accepted_path(with_eos):
+    """Returned scores and cache keep stopped rows in the batch, padded (with an EOS) as plain decoding pads them."""
     target = tiny_target()
     prompts = [[0] + [5, 9, 33] * 3, [0, 44], PROMPTS[2]]
     ids, mask = left_pad(prompts)
-    common = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    eos = common_token([alone(target, p, max_new_tokens=20, eos_token_id=None) for p in prompts]) if with_eos else None
+    common = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
     plain = target.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **common)
     config = GenerationConfig(adaflash_ngram=True, output_scores=True, return_dict_in_generate=True, **common)
     with adaflash_hf.record_stats() as stats:

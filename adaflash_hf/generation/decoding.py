@@ -178,7 +178,8 @@ class SpeculativeDecoding:
         room = self.limit - (lengths - self.prompt_len) - 1  # drafts each row's budget leaves
         if self.cache.window is not None:
             room = torch.clamp(room, max=self.cache.room(generator.block_size) - 1)
-        paths = generator.ngram_paths(room, self.eos)  # None without adaflash_ngram
+        padded = self._padded_rows()  # stopped rows plain decoding pads propose nothing
+        paths = generator.ngram_paths(room if padded is None else room.masked_fill(padded, 0), self.eos)
         max_drafts = plan.before_draft(row_list, room, None if paths is None else [p[0] if p else [] for p in paths])
         start = self.recorder.clock()
         anchors = self.sequences[rows, lengths - 1]
@@ -191,7 +192,7 @@ class SpeculativeDecoding:
             drafts.num_drafts = plan.after_draft(row_list, drafts)
         drafted = self.recorder.clock()
 
-        history, padded = History(self.sequences, lengths, rows), self._padded_rows()
+        history = History(self.sequences, lengths, rows)
         path_nodes = 0 if paths is None else plan.path_nodes(generator.options.ngram_nodes)
         if self.tree is not None and (bool(drafts.num_drafts.gt(0).any()) or path_nodes and any(paths)):
             positions = 0 if drafts.logits is None else drafts.logits.shape[1]  # the drafter's, if it ran
