@@ -95,7 +95,7 @@ class AdaFlashGenerationOptions:
         if given.get(PREFIX + "ngram") is True:
             given = prompt_lookup_names(generation_config, given, problems)
         if drafter_config is None:
-            given, problems = paths_only(given, problems)
+            given = paths_only(given, problems)
             policy = LengthPolicy(length_policy="planned")
         else:
             policy_values = {
@@ -179,18 +179,18 @@ class AdaFlashGenerationOptions:
         )
 
 
-def paths_only(given: dict, problems: list[str]) -> tuple[dict, list[str]]:
+def paths_only(given: dict, problems: list[str]) -> dict:
     """The settings of the n-gram-only loop (no drafter: ``generate(prompt_lookup_num_tokens=k,
     generation_config=GenerationConfig(adaflash_ngram=True))``): prompt lookup's defaults (the longest match 2
     tokens, one continuation), and the planner chooses every step's width (no length policy applies without a
-    drafter)."""
+    drafter); its problems join `problems`."""
     given = dict(given)
     if given.get(PREFIX + "ngram") is not True:
         problems.append(
             "without an AdaFlash drafter adaflash_hf's loop verifies n-gram paths only: set adaflash_ngram=True, or "
             "pass assistant_model=<AdaFlashDrafter>"
         )
-        return given, problems
+        return given
     if PREFIX + "ngram_max_match" not in given:
         given[PREFIX + "ngram_max_match"] = 2  # transformers' prompt lookup default
     if PREFIX + "ngram_continuations" not in given:
@@ -202,7 +202,7 @@ def paths_only(given: dict, problems: list[str]) -> tuple[dict, list[str]]:
     )
     if drafter_only:
         problems.append(f"{', '.join(drafter_only)} need a drafter; drop them for n-gram-only decoding")
-    return given, problems
+    return given
 
 
 def prompt_lookup_names(generation_config, given: dict, problems: list[str]) -> dict:
