@@ -16,7 +16,7 @@ import adaflash_hf
 from adaflash_hf.generation import tree as tree_module
 from adaflash_hf.generation.ngram import SCAN_PER_CONTINUATION, NgramIndex, SuffixIndex
 from adaflash_hf.generation.options import AdaFlashGenerationOptions
-from adaflash_hf.generation.planner import CostTable
+from adaflash_hf.generation.planner import CostTable, VerificationPlanner
 from adaflash_hf.generation.tree import DRAFTER, PATHS, build_trees, walk_trees
 
 # ------------------------------------------------------------------ the suffix index
@@ -274,6 +274,46 @@ def test_undrafted_widths_are_costed_apart_and_optimistically_until_measured():
     table.observe_undrafted(1, 5, 1.2)
     assert table.path_cost(1, 6, drafted=False) == 1.2 and table.path_cost(3, 5, drafted=False) == 1.2
     assert table.cost(1, 5) != 1.2  # drafted costs do not see undrafted steps
+
+
+def _planned_step(planner, paths, drafter_width):
+    """The planner's choice for rows offering `paths`, its drafter at `drafter_width` when it drafts:
+    ``(drafter runs, path tokens)``."""
+    rows = list(range(len(paths)))
+    planner.plan = lambda rows, room: torch.full((len(rows),), drafter_width - 1)
+    drafts = planner.before_draft(rows, torch.full((len(rows),), 30), paths)
+    return bool(drafts.gt(0).any()), planner.path_nodes(16)
+
+
+def test_the_planner_prices_each_source_by_its_own_acceptance():
+    table = CostTable(step_s={(1, 1): 1.0, (1, 4): 1.3, (1, 12): 1.6}, undrafted_s={(1, 11): 1.2})
+    reliable = VerificationPlanner(table, block_size=16, batch_size=1, device=torch.device("cpu"))
+    reliable.path_successes[0], reliable.path_trials[0] = 90.0, 100.0  # paths right 90% of their tokens
+    reliable.successes[0], reliable.trials[0] = 10.0, 100.0  # the drafter 10%
+    path = list(range(10))
+    assert _planned_step(reliable, [path], 4) == (False, 10)  # the path alone: the drafter is not worth its draft
+    unreliable = VerificationPlanner(table, block_size=16, batch_size=1, device=torch.device("cpu"))
+    unreliable.path_successes[0], unreliable.path_trials[0] = 0.0, 100.0
+    unreliable.successes[0], unreliable.trials[0] = 80.0, 100.0
+    assert _planned_step(unreliable, [path], 4) == (True, 0)  # the drafter's width, no path token
+    # a row that copies and a row that needs the drafter: both in one step (the drafted width beyond 4 is costed at
+    # 4's until a step there measures it)
+    both = VerificationPlanner(
+        CostTable(step_s={(2, 1): 1.0, (2, 4): 1.3}, undrafted_s={(2, 11): 1.3}), 16, 2, torch.device("cpu")
+    )
+    both.path_successes[0], both.path_trials[0] = 90.0, 100.0
+    both.successes[:], both.trials[:] = 80.0, 100.0
+    assert _planned_step(both, [path, []], 4) == (True, 10)
+
+
+def test_paths_are_scored_against_what_the_rows_commit_whether_verified_or_not():
+    planner = VerificationPlanner(CostTable(), block_size=16, batch_size=2, device=torch.device("cpu"))
+    planner.before_draft([0, 1], torch.tensor([30, 30]), [[5, 6, 7], [9]])
+    planner.score_paths([0, 1], [[5], [8]])  # one token each (a plain step): row 1's path is refuted
+    assert planner.path_trials.tolist() == [0.0, 1.0] and planner.path_successes.tolist() == [0.0, 0.0]
+    planner.score_paths([0], [[6, 7, 1]])  # row 0's path matched to its end over two steps (row 1 left)
+    assert planner.path_trials.tolist() == [3.0, 1.0] and planner.path_successes.tolist() == [3.0, 0.0]
+    assert planner.table.path_acceptance == 0.75 and not planner._path_shadows
 
 
 # ------------------------------------------------------------------ sampling exactness

@@ -49,14 +49,16 @@ drafted width is costed by the same table).
 long a continuation each row's context offers, and the planner chooses, with the drafter's width, how many path
 tokens join the step's tree (`plan_paths`): the rate of each choice is its expected committed tokens over its cost,
 a path's expected tokens following its own geometric acceptance ``p_g`` (per row, shrunk towards the pooled estimate
-and the last call's), a row committing about the longer of the drafter's and the path's expectation. ``p_g`` is
+and the last call's), a row committing the longer of the drafter's and the path's expectation (an underestimate:
+where one source's path is refuted the other's may go on, so paths join a drafted step where some rows copy and
+others need the drafter, and replace the drafter where copying alone pays). ``p_g`` is
 observed at no cost whether the path was verified or not: each row's path is compared with the tokens the row then
 commits, over as many steps as it takes, until the first disagreement (the target's own tokens: under greedy decoding
 what verifying it would accept; under sampling, a deterministic path's token is accepted exactly when the target
 samples it, so this is speculative sampling's acceptance too), so a call whose paths stopped paying goes on measuring
 them. A step whose drafter is not worth its draft (a plain step, or a long and reliable path) verifies the
 path alone without running the drafter, at the measured cost of such undrafted widths (`CostTable.undrafted_s`).
-Widths the paths add are costed optimistically until measured (the nearest narrower measured width: cost grows with
+Widths the paths add beyond the widest measured one are costed optimistically (the widest's cost: cost grows with
 width), so a width that wins on that estimate is run, which measures it once, and is then priced by what it cost.
 Probes stay pure (no paths), so that they time the draft alone.
 
@@ -107,8 +109,9 @@ class CostTable:
 
     def path_cost(self, rows: int, width: int, drafted: bool) -> float | None:
         """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`):
-        the measured cost, else the nearest narrower measured width's at the nearest measured row count (a lower
-        bound, so that a width winning on it is run once and measured); ``None`` when nothing of the kind is."""
+        the measured cost at the nearest measured row count, interpolated between measured widths, and beyond the
+        widest the widest's (a lower bound, so that a width winning on it is run once and measured); ``None`` when
+        nothing of the kind is measured."""
         if drafted:
             costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
         else:  # a plain step is the undrafted width 1
@@ -118,9 +121,12 @@ class CostTable:
         if not costs:
             return None
         near = min({r for r, _ in costs}, key=lambda r: (abs(r - rows), r))
-        widths = [w for r, w in costs if r == near]
-        below = [w for w in widths if w <= width]
-        return costs[(near, max(below) if below else min(widths))]
+        widths = sorted(w for r, w in costs if r == near)
+        below, above = [w for w in widths if w <= width], [w for w in widths if w >= width]
+        if below and above:  # between two measured widths (or at one): linear
+            w0, w1 = below[-1], above[0]
+            return costs[(near, w0)] + (costs[(near, w1)] - costs[(near, w0)]) * (width - w0) / max(w1 - w0, 1)
+        return costs[(near, below[-1] if below else above[0])]
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         old = self.draft_s.get(rows)
