@@ -42,6 +42,8 @@ def test_harness_records_every_usable_method(word_tokenizer):
     fixed = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 1)
     assert fixed.verified_per_emitted > 2  # a random drafter: 8 tokens verified per step, ~1 emitted
     assert fixed.padding_fraction == 0.0 and math.isnan(plain.padding_fraction)  # one row pads nothing
+    assert math.isnan(fixed.copied_fraction)
+    assert all(0.0 <= r.copied_fraction <= 1.0 for r in records if r.method in ("adaflash_hybrid", "adaflash_lookup"))
     adaptive = [r for r in records if r.method == "adaflash_adaptive" and r.batch_size == 2]
     assert all(0.0 <= r.padding_fraction < 1.0 for r in adaptive)
 

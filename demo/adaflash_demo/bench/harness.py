@@ -64,6 +64,9 @@ class BenchRecord:
     speedup_low: float = float("nan")
     speedup_high: float = float("nan")
     calls: int = 0
+    # adaflash_ngram methods: the share of accepted drafts that the context's n-gram paths proposed (a token both
+    # sources proposed counts as copied); nan for the others
+    copied_fraction: float = float("nan")
 
 
 @dataclass
@@ -77,6 +80,9 @@ class _Tally:
     real_verified: int = 0  # our loop: tokens rows really verified (anchor + drafts, or tree nodes)
     padded_verified: int = 0  # our loop: rows x width over its steps
     calls: list = field(default_factory=list)  # (tokens, seconds) of each timed call, in the group's batch order
+    accepted: int = 0  # our loop: drafts accepted
+    copied: int = 0  # adaflash_ngram: of them, proposed by n-gram paths
+    merged: bool = False  # a step of adaflash_ngram ran
 
 
 class ForwardCounter:
@@ -299,6 +305,7 @@ def run_benchmark(
                     speedup_low=low,
                     speedup_high=high,
                     calls=len(tally.calls),
+                    copied_fraction=tally.copied / max(tally.accepted, 1) if tally.merged else float("nan"),
                 )
             )
     return records
@@ -357,6 +364,10 @@ def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, c
         for step in stats.steps:
             tally.real_verified += sum(step.candidate_lengths)
             tally.padded_verified += len(step.rows) * step.verify_width
+            tally.accepted += sum(step.accepted)
+            if step.ngram_accepted is not None:
+                tally.copied += sum(step.ngram_accepted)
+                tally.merged = True
     tally.row_forwards += counter.row_forwards
     tally.processed += counter.processed_tokens
     rows = [cut_after_eos(row, config) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]
