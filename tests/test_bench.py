@@ -248,3 +248,11 @@ def test_speedup_interval_is_a_paired_bootstrap_over_batches():
     # one batch, or calls that do not pair up: no interval
     assert all(math.isnan(x) for x in speedup_interval(plain[:1], plain[:1]))
     assert all(math.isnan(x) for x in speedup_interval(plain[:3], plain))
+
+
+def test_the_ngram_cost_script_runs(capsys):
+    from adaflash_demo.bench import ngram_cost
+
+    assert ngram_cost.main(["--lengths", "64,128", "--steps", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and '"index_step_us"' in lines[-1]
