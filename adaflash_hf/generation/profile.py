@@ -36,7 +36,7 @@ from .measured import MeasuredChoice
 from .planner import CostTable
 from .verify_layout import KERNELS
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2  # 2: verification kernels measured among three (a format-1 file knew two)
 PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
 SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
 HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides
