@@ -131,6 +131,7 @@ def test_linear_suffix_runs_a_method_without_the_measured_verification_layout(wo
         "adaflash_verify_layout": "linear",
     }
     assert method_kwargs("adaflash_tree16_linear", drafter)["adaflash_tree_budget"] == 16
+    assert method_kwargs("adaflash_fixed_onednn", drafter)["adaflash_verify_layout"] == "onednn"
     planned_tree = method_kwargs("adaflash_planned_tree16", drafter)
     assert planned_tree["adaflash_length_policy"] == "planned" and planned_tree["adaflash_tree_budget"] == 16
     assert method_kwargs("adaflash_lookup") == {"prompt_lookup_num_tokens": 10, "adaflash_ngram": True}

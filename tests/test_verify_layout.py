@@ -1,6 +1,6 @@
-"""The GEMM layout of small verification forwards (`verify_layout.py`): the transposed layout computes what `linear`
-computes, the choice is measured per token count and kept, its timing steps stay out of the planner's cost table, and
-greedy output is plain decoding's in every layout."""
+"""The kernel of small verification forwards (`verify_layout.py`): every kernel computes what `linear` computes, the
+choice is measured per token count and kept, its timing steps stay out of the planner's cost table, and greedy output
+is plain decoding's with every kernel, on several families."""
 
 import pytest
 import torch
@@ -13,16 +13,19 @@ from adaflash_hf.generation import verify_layout
 from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import VerificationPlanner
 from adaflash_hf.generation.profile import LAYOUT_TRIALS, RuntimeProfile
-from adaflash_hf.generation.verify_layout import TransposedLinear, VerifyLayout
+from adaflash_hf.generation.verify_layout import KERNELS, OneDNNLinear, TransposedLinear, VerifyLayout
+
+ROUTED = [TransposedLinear, OneDNNLinear]
 
 
+@pytest.mark.parametrize("kernel", ROUTED)
 @pytest.mark.parametrize("shape", [(3, 16), (2, 3, 16), (1, 1, 16)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_transposed_layout_computes_linear(shape, with_bias):
+def test_every_kernel_computes_linear(kernel, shape, with_bias):
     torch.manual_seed(0)
     x, weight = torch.randn(*shape), torch.randn(24, 16)
     bias = torch.randn(24) if with_bias else None
-    with TransposedLinear():
+    with kernel():
         out = torch.nn.functional.linear(x, weight, bias)
         by_keyword = torch.nn.functional.linear(x, weight=weight, bias=bias)
     expected = torch.nn.functional.linear(x, weight, bias)
@@ -74,7 +77,7 @@ def test_the_layout_reroutes_only_the_thread_that_entered_it(monkeypatch):
 
 
 def test_measured_choice_alternates_and_keeps_the_candidate_only_when_clearly_faster():
-    choice = MeasuredChoice("a", "b", trials=2, margin=0.9)
+    choice = MeasuredChoice("a", ("b",), trials=2, margin=0.9)
     seen = []
     for _ in range(4):
         option = choice.next_trial("fast")
@@ -89,18 +92,32 @@ def test_measured_choice_alternates_and_keeps_the_candidate_only_when_clearly_fa
     assert choice.chosen("fast") is None and choice.chosen("close") is None and choice.timings == {}
 
 
+def test_measured_choice_rotates_through_every_option_and_keeps_the_fastest():
+    choice = MeasuredChoice("a", ("b", "c"), trials=2, margin=0.9)
+    seen = []
+    for _ in range(6):
+        option = choice.next_trial(4)
+        seen.append(option)
+        choice.record(4, option, {"a": 1.0, "b": 0.8, "c": 0.6}[option])
+    assert seen == ["a", "b", "c"] * 2 and choice.chosen(4) == "c"
+    for _ in range(6):
+        option = choice.next_trial(5)
+        choice.record(5, option, {"a": 1.0, "b": 0.95, "c": 1.2}[option])
+    assert choice.chosen(5) == "a"  # the fastest candidate within the margin: the baseline stays
+
+
 def test_layout_is_measured_per_token_count_and_kept(monkeypatch):
     target = tiny_target()
     clock = iter(range(1000))
     monkeypatch.setattr(verify_layout.time, "perf_counter", lambda: next(clock))  # every forward "takes" 1 s
     profile = RuntimeProfile()
     layout = VerifyLayout(target, "auto", profile)
-    assert layout.layout(1) == ("linear", False) and layout.layout(8) == ("linear", False)  # outside SMALL_TOKENS
+    assert layout.layout(1) == ("linear", False) and layout.layout(17) == ("linear", False)  # not measured
     trials = []
-    for _ in range(2 * LAYOUT_TRIALS):
+    for _ in range(len(KERNELS) * LAYOUT_TRIALS):
         with layout.forward(3) as trial:
             trials.append(trial)
-    assert trials == [True] * (2 * LAYOUT_TRIALS)
+    assert trials == [True] * (len(KERNELS) * LAYOUT_TRIALS)
     assert layout.layout(3) == ("linear", False)  # equal times: linear kept, no more trials
     assert layout.layout(4)[1] is True  # another token count is measured on its own
     assert profile.layouts.chosen(3) == "linear" and profile.to_dict()["layouts"] == [[3, "linear"]]
@@ -108,27 +125,29 @@ def test_layout_is_measured_per_token_count_and_kept(monkeypatch):
     assert layout.layout(3)[1] is True  # reset: measured again
     assert VerifyLayout(target, "linear", profile).layout(3) == ("linear", False)
     assert VerifyLayout(target, "transposed", profile).layout(3) == ("transposed", False)
+    assert VerifyLayout(target, "onednn", profile).layout(16) == ("onednn", False)
     bfloat16 = VerifyLayout(target.to(torch.bfloat16), "transposed", profile)
     assert bfloat16.layout(3) == ("linear", False)  # CPU float32 only
 
 
-@pytest.mark.parametrize("name", ["auto", "linear", "transposed"])
+@pytest.mark.parametrize("name", ["auto", *KERNELS])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_greedy_output_is_identical_in_every_layout(monkeypatch, name, batch):
-    target = tiny_target()
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_greedy_output_is_identical_with_every_kernel(monkeypatch, name, batch, family):
+    target = tiny_target(family)
     prompts = PROMPTS[:batch]
     ids, mask = left_pad(prompts)
     config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=PAD)
     reference = target.generate(ids, attention_mask=mask, generation_config=config)
     unpadded = [row[ids.shape[1] - len(p) :] for row, p in zip(reference.tolist(), prompts)]
     rerouted = []
-    original = TransposedLinear.__torch_function__
+    original = verify_layout._RoutedLinear.__torch_function__
 
     def spy(self, func, types, args=(), kwargs=None):
         rerouted.append(func is torch.nn.functional.linear)
         return original(self, func, types, args, kwargs)
 
-    monkeypatch.setattr(TransposedLinear, "__torch_function__", spy)
+    monkeypatch.setattr(verify_layout._RoutedLinear, "__torch_function__", spy)
     config.adaflash_verify_layout = name
     # blocks of 2 at batch 3 and of 4 at batch 1 verify 2-7 tokens a forward; the oracle's corrupted drafts make
     # rejections, so the loop crops and continues from every accepted length

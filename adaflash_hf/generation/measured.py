@@ -1,12 +1,12 @@
-"""A choice between two exact ways of computing the same thing, made by timing both where they run.
+"""A choice between exact ways of computing the same thing, made by timing each where it runs.
 
 Which of two kernels is faster on a CPU cannot be read off the hardware: the draft head's bfloat16 copy of the LM
 head (`draft_head.py`) was faster than float32 in a standalone loop on one machine and slower inside the decoding
 loop on the same machine; the target's float32 GEMMs on 2-7 tokens (`verify_layout.py`) run faster in one layout
 than the other inside a forward, which a microbenchmark with the weights in cache does not show (BENCHMARKS.md §3).
-So the loop times both where they are used: the first calls of each key alternate between the options (the one timed
-fewest times runs next, so both see the same conditions), and after `trials` timings of each the faster by median is
-kept, the candidate only if it wins by the margin.
+So the loop times them where they are used: the first calls of each key rotate through the options (the one timed
+fewest times runs next, so all see the same conditions), and after `trials` timings of each the fastest candidate
+by median is kept if it beats the baseline by the margin, else the baseline.
 
 Generations in several threads may share a key (transformers' generate() is thread-safe per call), so the
 bookkeeping is locked (with the lock of the `profile.RuntimeProfile` that owns the choice); the timed work itself is
@@ -21,23 +21,28 @@ from collections.abc import Hashable
 
 
 class MeasuredChoice:
-    """Per key, ``baseline`` or ``candidate``, whichever the timings of both found faster.
+    """Per key, ``baseline`` or one of the ``candidates``, whichever the timings found fastest.
 
     Args:
-        baseline: the option kept unless the candidate is clearly faster.
-        candidate: the option timed against it.
+        baseline: the option kept unless a candidate is clearly faster.
+        candidates (`tuple`): the options timed against it.
         trials (`int`): timings of each option before the key is decided.
-        margin (`float`): the candidate is chosen when its median time is below ``margin`` times the baseline's.
+        margin (`float`): the fastest candidate is chosen when its median time is below ``margin`` times the
+            baseline's.
         lock (`threading.RLock`, *optional*): the lock guarding the bookkeeping (its owner's; a new one by default).
     """
 
-    def __init__(self, baseline, candidate, trials: int, margin: float, lock=None):
-        self.baseline, self.candidate = baseline, candidate
+    def __init__(self, baseline, candidates: tuple, trials: int, margin: float, lock=None):
+        self.baseline, self.candidates = baseline, tuple(candidates)
         self.trials_per_option = trials
         self.margin = margin
         self.choices: dict[Hashable, object] = {}  # key -> the option kept
         self.timings: dict[Hashable, dict[object, list[float]]] = {}  # key -> option -> seconds, while measuring
         self._lock = threading.RLock() if lock is None else lock
+
+    @property
+    def options(self) -> tuple:
+        return (self.baseline, *self.candidates)
 
     def chosen(self, key: Hashable):
         """The option decided for ``key``; ``None`` while it is still measured."""
@@ -46,7 +51,7 @@ class MeasuredChoice:
     def next_trial(self, key: Hashable):
         """The option the next timed call of ``key`` runs."""
         with self._lock:
-            timings = self.timings.setdefault(key, {self.baseline: [], self.candidate: []})
+            timings = self.timings.setdefault(key, {option: [] for option in self.options})
             return min(timings, key=lambda option: len(timings[option]))
 
     def record(self, key: Hashable, option, seconds: float) -> None:
@@ -57,8 +62,9 @@ class MeasuredChoice:
                 return
             timings[option].append(seconds)
             if all(len(times) >= self.trials_per_option for times in timings.values()):
-                baseline, candidate = (statistics.median(timings[o]) for o in (self.baseline, self.candidate))
-                self.choices[key] = self.candidate if candidate < self.margin * baseline else self.baseline
+                medians = {option: statistics.median(times) for option, times in timings.items()}
+                best = min(self.candidates, key=medians.get)
+                self.choices[key] = best if medians[best] < self.margin * medians[self.baseline] else self.baseline
                 self.timings.pop(key, None)
 
     def clear(self) -> None:

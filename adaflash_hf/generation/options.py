@@ -51,8 +51,8 @@ class AdaFlashGenerationOptions:
         of one match.
     ngram_nodes (`int`): ``adaflash_ngram_nodes`` (16): most tree nodes the continuations take per row and step,
         within ``tree_budget``.
-    verify_layout (`str`): ``adaflash_verify_layout``: ``"auto"``, ``"linear"`` or ``"transposed"``
-        (`verify_layout.py`).
+    verify_layout (`str`): ``adaflash_verify_layout``: ``"auto"`` (measured), ``"linear"`` (the model's own kernel:
+        off), or a kernel always used, ``"transposed"`` or ``"onednn"`` (`verify_layout.py`).
     decoding_loop (`str`): ``adaflash_decoding_loop``: ``"adaflash"`` (adaflash_hf's batched loop) or
         ``"transformers"`` (transformers' assisted loop driving the candidate generator, batch 1).
     """
@@ -133,7 +133,7 @@ class AdaFlashGenerationOptions:
         if layout not in VERIFY_LAYOUTS:
             problems.append(
                 f"adaflash_verify_layout={layout!r} is not one of {', '.join(map(repr, VERIFY_LAYOUTS))} ('auto' "
-                "measures which GEMM layout verifies a few tokens faster on this machine)"
+                "measures which kernel verifies a few tokens fastest on this machine; 'linear' turns that off)"
             )
         head_dtype = "auto"
         try:
@@ -159,9 +159,9 @@ class AdaFlashGenerationOptions:
                     "linear candidate per step; drop adaflash_decoding_loop='transformers', or drop "
                     "adaflash_tree_budget"
                 )
-            if layout == "transposed":
+            if layout not in ("auto", "linear"):
                 problems.append(
-                    "adaflash_verify_layout='transposed' needs adaflash_hf's loop: transformers' assisted-decoding "
+                    f"adaflash_verify_layout={layout!r} needs adaflash_hf's loop: transformers' assisted-decoding "
                     "loop runs its own verification forwards; drop adaflash_decoding_loop='transformers', or drop "
                     "adaflash_verify_layout"
                 )

@@ -34,8 +34,9 @@ from ..machine import machine_info
 from ..utils import write_json_atomic
 from .measured import MeasuredChoice
 from .planner import CostTable
+from .verify_layout import KERNELS
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2  # 2: verification kernels measured among three (a format-1 file knew two)
 PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
 SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
 HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides
@@ -52,16 +53,17 @@ class RuntimeProfile:
     Attributes:
         lock (`threading.RLock`): guards every table below.
         head_dtypes (`MeasuredChoice`): float32 or bfloat16 for the draft head, by (device, head shape, vocabulary).
-        layouts (`MeasuredChoice`): ``"linear"`` or ``"transposed"`` for a verification forward, by tokens verified.
+        layouts (`MeasuredChoice`): the linear kernel of a verification forward (``"linear"``, ``"transposed"``,
+            ``"onednn"``: `verify_layout.KERNELS`), by tokens verified.
     """
 
     def __init__(self):
         self.lock = threading.RLock()
-        # bfloat16 only if it wins by 20%; the transposed layout only if it wins by 10%
+        # bfloat16 only if it wins by 20%; another verification kernel only if it wins by 10%
         self.head_dtypes = MeasuredChoice(
-            torch.float32, torch.bfloat16, trials=HEAD_DTYPE_TRIALS, margin=0.8, lock=self.lock
+            torch.float32, (torch.bfloat16,), trials=HEAD_DTYPE_TRIALS, margin=0.8, lock=self.lock
         )
-        self.layouts = MeasuredChoice("linear", "transposed", trials=LAYOUT_TRIALS, margin=0.9, lock=self.lock)
+        self.layouts = MeasuredChoice("linear", tuple(KERNELS)[1:], trials=LAYOUT_TRIALS, margin=0.9, lock=self.lock)
         self._cost_tables: dict[tuple[str, str], CostTable] = {}
         # (dtype, vocabulary key) -> (the weight it was made from, its version then, the copy)
         self._head_copies: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
@@ -138,7 +140,7 @@ class RuntimeProfile:
             for key, dtype in state["head_dtypes"]:
                 self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
             for key, layout in state["layouts"]:
-                if layout not in (self.layouts.baseline, self.layouts.candidate):
+                if layout not in self.layouts.options:
                     raise ValueError(f"unknown layout {layout!r}")
                 self.layouts.choices[_hashable(key)] = layout
 

@@ -1,41 +1,52 @@
-"""The GEMM layout of the target's linear layers in a verification forward of a few tokens on a CPU, measured.
+"""The kernel of the target's linear layers in a verification forward of a few tokens on a CPU, measured.
 
 A verification forward multiplies the ``M = rows x width`` tokens it verifies by every weight matrix of the target.
 A plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small
-``M > 1``, float32 ``linear`` (``x @ W.T``) can take a GEMM path that makes a forward of 2-3 tokens cost as much as
-one of 8 or 16 (BENCHMARKS.md §3: verifying two drafts cost as much as verifying fifteen there), while the same
-products in the other layout, ``(W @ x.T).T``, cost little more than a plain step. Which layout wins depends on
-the BLAS library, the CPU and the memory around the forward, so neither is assumed: for each
-``M`` in `SMALL_TOKENS`, the first verification forwards alternate between the layouts, timed whole in the loop
-(`measured.py`), and the transposed one is kept, in the pair's `profile.RuntimeProfile`, only if it is at least 10%
-faster; every other forward runs as the model wrote it.
+``M > 1`` the product should cost about as much (the weights are read once either way), but float32 ``linear``
+(``x @ W.T``) can take a GEMM path that makes a forward of 2-3 tokens cost as much as one of 8 or 16 (BENCHMARKS.md
+§3), while other kernels for the same product cost less at some ``M``: the transposed product ``(W @ x.T).T`` (the
+BLAS's matrix-times-few-columns path) and oneDNN's inner product on the weights as they are (no reordered copy, so
+no memory beyond the model's). Which wins depends on the BLAS library, the CPU and the memory around the forward, so
+none is assumed: for each ``M`` in `MEASURED_TOKENS`, the first verification forwards rotate through the kernels,
+timed whole in the loop (`measured.py`), and another kernel than the model's own is kept, in the pair's
+`profile.RuntimeProfile`, only if it is at least 10% faster; every other forward runs as the model wrote it.
+BENCHMARKS.md §12 has the kernels' costs per machine (``python -m adaflash_demo.bench.kernels``).
 
-Lossless: both layouts compute the same sums of the same float32 products, in a different order, as any change of
-GEMM shape does (verifying 8 tokens already sums differently from decoding 1); the target still verifies every
-committed token, and greedy outputs are compared with plain ``generate()`` in the tests and in every benchmark.
+Lossless: every kernel computes the same sums of the same float32 products, in another order, as any change of GEMM
+shape does (verifying 8 tokens already sums differently from decoding 1); the target still verifies every committed
+token, and greedy outputs are compared with plain ``generate()`` in the tests (every kernel, several families, batch
+1 and 3) and in every benchmark (docs/algorithm.md §3.8).
 
 Only `torch.nn.functional.linear` with a plain float32 CPU weight is rerouted (what `nn.Linear` calls), through a
 `TorchFunctionMode` entered around the verification forward only, which is thread-local and leaves other calls, other
 threads and other dtypes alone. ``GenerationConfig(adaflash_verify_layout=...)`` overrides the choice: ``"auto"``
-(the default, measured), ``"linear"`` (never reroute) or ``"transposed"`` (always, for ``M`` in `SMALL_TOKENS`).
+(the default, measured), ``"linear"`` (never reroute: the off switch) or a kernel's name (always, for ``M`` in
+`MEASURED_TOKENS`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .profile import RuntimeProfile
+if TYPE_CHECKING:  # the profile keeps the choices of this module's kernels
+    from .profile import RuntimeProfile
 
-VERIFY_LAYOUTS = ("auto", "linear", "transposed")
-SMALL_TOKENS = range(2, 8)  # M = 1 is a matrix-vector product already; from 8 tokens on, linear was as fast or faster
+# M = 1 is a matrix-vector product already; beyond 16 tokens (a whole block at batch 1) the model's GEMM is the
+# arithmetic-bound product it was written for
+MEASURED_TOKENS = range(2, 17)
 
 
-class TransposedLinear(TorchFunctionMode):
-    """Computes ``linear(x, W, b)`` as ``(W @ x.T).T + b`` for float32 CPU inputs; everything else runs unchanged."""
+class _RoutedLinear(TorchFunctionMode):
+    """Reroutes ``linear(x, W, b)`` with a plain float32 CPU weight through `product`; all else runs unchanged."""
+
+    def product(self, flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``flat [M, K] @ weight.T [K, N]`` as a row-major ``[M, N]``."""
+        raise NotImplementedError
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -49,12 +60,29 @@ class TransposedLinear(TorchFunctionMode):
                 and x.dtype == weight.dtype == torch.float32
                 and x.device.type == weight.device.type == "cpu"
             ):
-                flat = x.reshape(-1, x.shape[-1])
                 # laid out as linear's own result (row-major): a kernel choice must not change what later ops accept
                 # (view_as_complex in complex rotary embeddings needs a last dimension of stride 1)
-                out = torch.mm(weight, flat.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
+                out = self.product(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
                 return out if bias is None else out + bias
         return func(*args, **kwargs)
+
+
+class TransposedLinear(_RoutedLinear):
+    """Computes ``linear(x, W, b)`` as ``(W @ x.T).T + b`` (the BLAS's matrix-times-few-columns path)."""
+
+    def product(self, flat, weight):
+        return torch.mm(weight, flat.t()).t().contiguous()
+
+
+class OneDNNLinear(_RoutedLinear):
+    """Computes ``linear(x, W, b)`` with oneDNN's inner product on the weight as it is (no reordered copy)."""
+
+    def product(self, flat, weight):
+        return torch.ops.mkldnn._linear_pointwise(flat, weight, None, "none", [], "")
+
+
+KERNELS = {"linear": contextlib.nullcontext, "transposed": TransposedLinear, "onednn": OneDNNLinear}
+VERIFY_LAYOUTS = ("auto", *KERNELS)
 
 
 class VerifyLayout:
@@ -75,10 +103,10 @@ class VerifyLayout:
 
     def layout(self, tokens: int) -> tuple[str, bool]:
         """``(layout, trial)`` for a forward over ``tokens`` tokens: ``trial`` when this forward times the layout."""
-        if not self.active or tokens not in SMALL_TOKENS:
+        if not self.active or tokens not in MEASURED_TOKENS:
             return "linear", False
-        if self.name == "transposed":
-            return "transposed", False
+        if self.name != "auto":
+            return self.name, False
         chosen = self.choice.chosen(tokens)
         if chosen is not None:
             return chosen, False
@@ -86,11 +114,11 @@ class VerifyLayout:
 
     @contextlib.contextmanager
     def forward(self, tokens: int):
-        """Runs the block's forward in the layout for ``tokens`` tokens; yields whether this forward was a timing
+        """Runs the block's forward with the kernel for ``tokens`` tokens; yields whether this forward was a timing
         trial (a step the planner should not price)."""
         layout, trial = self.layout(tokens)
         start = time.perf_counter()
-        with TransposedLinear() if layout == "transposed" else contextlib.nullcontext():
+        with KERNELS[layout]():
             yield trial
         if trial:
             self.choice.record(tokens, layout, time.perf_counter() - start)

@@ -3,9 +3,9 @@
 For each batch size B and verified length k it times (median of ``--repeats``, after a warm-up):
 
 * ``target_ms[B][k]``: one target forward of k new tokens per row over a cached context of ``--context`` tokens
-  (k = 1 is a plain decoding step); where ``B * k`` is a token count the loop measures a GEMM layout for
-  (`adaflash_hf.generation.verify_layout.SMALL_TOKENS`), also ``target_transposed_ms``: the same forward with the
-  target's linear layers in the transposed layout;
+  (k = 1 is a plain decoding step); where ``B * k`` is a token count the loop measures a kernel for
+  (`adaflash_hf.generation.verify_layout.MEASURED_TOKENS`), also ``target_transposed_ms``: the same forward with the
+  target's linear layers in the transposed layout (every kernel side by side: `kernels.py`);
 * ``drafter_ms[B]``: one drafter forward over a block (features of a few new context tokens + ``block_size`` queries),
   split into its decoder layers and its LM head over the ``block_size - 1`` draft positions.
 
@@ -18,7 +18,6 @@ A step that verifies k tokens costs ``drafter_ms + target_ms[k]``; in units of a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -27,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.generation.verify_layout import SMALL_TOKENS, TransposedLinear
+from adaflash_hf.generation.verify_layout import KERNELS, MEASURED_TOKENS
 from adaflash_hf.utils import write_json_atomic
 
 NEW_CONTEXT = 4
@@ -53,7 +52,7 @@ def target_ms(target, batch: int, k: int, context: int, repeats: int, layout: st
     positions = torch.arange(context, context + k).expand(batch, k)
 
     def step():
-        with TransposedLinear() if layout == "transposed" else contextlib.nullcontext():
+        with KERNELS[layout]():
             target(input_ids=new, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
         cache.crop(-k)  # transformers 5.24: crop takes the (negative) number of tokens to drop
 
@@ -103,7 +102,7 @@ def measure(target, drafter, batch_sizes, lengths, context: int, repeats: int) -
         for k in lengths:
             verify = plain if k == 1 else target_ms(target, batch, k, context, repeats)
             transposed = {}
-            if batch * k in SMALL_TOKENS:
+            if batch * k in MEASURED_TOKENS:
                 ms = target_ms(target, batch, k, context, repeats, layout="transposed")
                 transposed = {"target_transposed_ms": round(ms, 2), "target_transposed_rel": round(ms / plain, 3)}
             rows.append(

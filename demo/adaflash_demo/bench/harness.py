@@ -26,6 +26,7 @@ from transformers import GenerationConfig
 
 from adaflash_hf.generation.stats import record_stats
 from adaflash_hf.generation.stopping import cut_after_eos
+from adaflash_hf.generation.verify_layout import KERNELS
 
 METHODS = (
     "plain",
@@ -42,7 +43,9 @@ METHODS = (
 )
 PATHS_ONLY = "adaflash_lookup"  # prompt lookup in our loop (adaflash_ngram, no drafter): batched, beside prompt_lookup
 TREE_BUDGET = 32  # tokens per tree of `adaflash_tree`; `adaflash_tree<N>` (adaflash_tree16, ...) sets another
-LINEAR_SUFFIX = "_linear"  # `adaflash_planned_linear`, ...: the method without the measured verification layout
+# `adaflash_planned_linear`, `adaflash_fixed_onednn`, ...: the method with every verification forward in one kernel
+# (`adaflash_hf.generation.verify_layout.KERNELS`; `_linear`: the model's own, no measured choice)
+KERNEL_SUFFIXES = {f"_{name}": name for name in KERNELS}
 BATCH_1_ONLY = ("hf_assisted", "prompt_lookup", "native_dflash")  # transformers' assisted loop refuses batch > 1
 
 
@@ -128,10 +131,11 @@ def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
         return {"prompt_lookup_num_tokens": 10, "adaflash_ngram": True}
     if method == "native_dflash":
         return {"assistant_model": drafter, "speculation_type": "dflash"}
-    if method.startswith("adaflash_") and method.endswith(LINEAR_SUFFIX):
-        # the same method with every verification forward in the model's own GEMM layout (verify_layout.py): the A/B
-        # of the layout choice
-        return {**method_kwargs(method.removesuffix(LINEAR_SUFFIX), drafter), "adaflash_verify_layout": "linear"}
+    suffix = next((s for s in KERNEL_SUFFIXES if method.startswith("adaflash_") and method.endswith(s)), None)
+    if suffix is not None:
+        # the same method with every verification forward in one kernel (verify_layout.py): the A/B of the choice
+        kernel = {"adaflash_verify_layout": KERNEL_SUFFIXES[suffix]}
+        return {**method_kwargs(method.removesuffix(suffix), drafter), **kernel}
     policy = method.removeprefix("adaflash_")
     if policy.startswith("hybrid"):
         # the planner with n-gram paths from the context merged into its trees (adaflash_ngram); adaflash_hybrid<N>
