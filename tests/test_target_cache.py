@@ -65,6 +65,23 @@ def test_compaction_keeps_each_rows_valid_columns_in_order(monkeypatch):
     assert torch.equal(values[target.mask], -_marks(target, 1)[target.mask])  # keys and values moved together
 
 
+def test_holes_that_compaction_cannot_free_do_not_trigger_it(monkeypatch):
+    """Short prompts beside a long one leave mostly padding in their rows: compaction would free nothing (the long
+    row has no holes), so it must not run, step after step, at the cost of moving every layer's columns."""
+    compactions = []
+    monkeypatch.setattr(cache_module.TargetCache, "compact", lambda self: compactions.append(1))
+    kept = torch.tensor([[True, True, True], [True, False, False], [True, False, False]])
+    target = _cache(batch=3, columns=10)  # 7 columns before the step, 3 it verified
+    target.mask = torch.tensor([[1] * 7, [0] * 7, [0] * 7], dtype=torch.bool)
+    target.keep(kept, width=3)
+    assert (~target.mask).float().mean() > cache_module.COMPACT_FRACTION and compactions == []
+    # rejected drafts every row has: compaction frees them once they are most of the cache
+    target = _cache(batch=3, columns=10)
+    target.mask = torch.tensor([[0] * 6 + [1]] * 3, dtype=torch.bool)
+    target.keep(kept.logical_and(torch.tensor([True, False, False])), width=3)
+    assert compactions == [1]
+
+
 def test_rows_leave_with_their_mask_rows():
     target = _cache(batch=3, columns=5)
     target.mask = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)

@@ -6,7 +6,8 @@ widest row. `TargetCache` keeps a 2D mask over the columns (``None`` while every
 on the mask-free path) and does everything the loop needs with them:
 
 * `keep`: after a verification, crops the trailing columns no row kept (the Cache API's ``crop``) and masks the rest;
-* `compact`: once holes exceed `COMPACT_FRACTION` of the columns, moves each row's valid columns to the right end
+* `compact`: once the holes every row has (the columns compaction would free) exceed `COMPACT_FRACTION` of the
+  columns, moves each row's valid columns to the right end
   (left padding), which changes nothing a row computes: attention depends on a column's mask and on the rotary
   position baked into its key, not on where it sits;
 * `select_rows`: rows that finish leave the batch (the Cache API's ``batch_select_indices``);
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-COMPACT_FRACTION = 0.5  # compact once holes exceed this fraction of the cache's columns
+COMPACT_FRACTION = 0.5  # compact once the columns it would free exceed this fraction of the cache's
 # Every tensor a cache layer keeps per position, by layer class (exact type: a subclass may keep more):
 # attribute -> (batch dim, position dim).
 POSITION_TENSORS = {
@@ -148,7 +149,9 @@ class TargetCache:
         self.mask = torch.cat([past, kept], dim=1)
         if self.mask.all():
             self.mask = None
-        elif (~self.mask).float().mean() > COMPACT_FRACTION:
+        elif self.columns - int(self.mask.sum(-1).max()) > COMPACT_FRACTION * self.columns:
+            # only holes every row has can go (a row's left padding or rejected drafts that another row's valid
+            # columns sit beside stay): counting all holes would compact every step and free nothing
             self.compact()
 
     def compact(self) -> None:
