@@ -28,13 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-if TYPE_CHECKING:  # the profile keeps the choices of this module's kernels
-    from .profile import RuntimeProfile
 
 # M = 1 is a matrix-vector product already; beyond 16 tokens (a whole block at batch 1) the model's GEMM is the
 # arithmetic-bound product it was written for
@@ -94,7 +90,7 @@ class VerifyLayout:
         profile (`RuntimeProfile`): where the measured choices live (the pair's `profile.profile_for`).
     """
 
-    def __init__(self, target, name: str, profile: RuntimeProfile):
+    def __init__(self, target, name: str, profile):
         self.choice = profile.layouts
         self.name = name
         parameter = next(target.parameters(), None)
