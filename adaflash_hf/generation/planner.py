@@ -87,6 +87,19 @@ MAX_PROBE_INTERVAL = 256
 CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 
 
+def match_committed(proposal: list[int], matched: int, committed: list[int]) -> tuple[int, bool]:
+    """Scores a proposal (a probe's block, a merged n-gram path) against tokens a row just committed, its first
+    ``matched`` tokens already matched in earlier steps: returns ``(matched, refuted)``, ``refuted`` when a committed
+    token disagreed before the proposal's end (under greedy decoding, where verifying it would have stopped)."""
+    for token in committed:
+        if matched == len(proposal):
+            break
+        if token != proposal[matched]:
+            return matched, True
+        matched += 1
+    return matched, False
+
+
 @dataclass
 class CostTable:
     """Measured seconds per loop step, by active rows and verify width; shared by the calls of one pair."""
@@ -353,14 +366,7 @@ class VerificationPlanner:
             if row not in present:  # the row finished
                 del self._path_shadows[row]
                 continue
-            failed = False
-            for token in present[row]:
-                if token != path[matched]:
-                    failed = True
-                    break
-                matched += 1
-                if matched == len(path):
-                    break
+            matched, failed = match_committed(path, matched, present[row])
             if failed or matched == len(path):
                 self.path_successes[row] += matched
                 self.path_trials[row] += matched + failed
@@ -455,14 +461,9 @@ class VerificationPlanner:
             if row not in present:  # the row finished
                 shadow[2] = True
                 continue
-            for token in present[row]:
-                if matched < len(drafts) and token == drafts[matched]:
-                    matched += 1
-                else:
-                    shadow[2] = True
-                    break
+            matched, refuted = match_committed(drafts, matched, present[row])
             shadow[1] = matched
-            if matched == len(drafts):
+            if refuted or matched == len(drafts):
                 shadow[2] = True
         gain = self.shadow_gain()
         if self.length_head and gain is not None:
