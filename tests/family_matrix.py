@@ -12,7 +12,10 @@ random and an oracle drafter (rejections at varying drafts). The outcome is one 
 `family_matrix.json` records the outcomes; `python tests/family_matrix.py --write` sweeps every family again (one
 process each, with a timeout), rewrites it and the supported-families list in README.md (`--write FAMILY...`
 re-sweeps only those). `--write-trees` does the same with tree verification (`TREE_BUDGET`) over the families exact
-with linear verification, recorded beside the linear outcomes and listed under them in README.md.
+with linear verification, recorded beside the linear outcomes and listed under them in README.md. `--write-kernels`
+sweeps the families exact with linear verification once per verification kernel forced
+(``adaflash_verify_layout``, `adaflash_hf.generation.verify_layout.KERNELS`): a kernel sums the same products in
+another order, so this is where a flipped near-tie would show (docs/algorithm.md §3.8).
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300].rstrip()
 
 
-def check_family(family: str, tree_budget: int | None = None) -> str:
+def check_family(family: str, tree_budget: int | None = None, verify_layout: str | None = None) -> str:
     """Runs the matrix for one family and returns its outcome (see the module docstring); with `tree_budget`, the
-    speculative calls verify draft trees of that many tokens (``adaflash_tree_budget``)."""
+    speculative calls verify draft trees of that many tokens (``adaflash_tree_budget``); with `verify_layout`, every
+    verification forward runs that kernel (``adaflash_verify_layout``)."""
     import torch
     from helpers import oracle_drafter, tiny_drafter, tiny_target
     from transformers import GenerationConfig
@@ -114,11 +118,14 @@ def check_family(family: str, tree_budget: int | None = None) -> str:
             oracles = [oracle_drafter(target, rows, corrupt=lambda row, anchor: {1 + (row + anchor) % 7})]
         except AssertionError:  # output heads the oracle cannot steer (e.g. tied and rescaled): random drafts only
             oracles = []
-        # the tree option rides on a config of its own; the call's keywords override its fields as in the references
-        tree = {} if tree_budget is None else {"generation_config": GenerationConfig(adaflash_tree_budget=tree_budget)}
+        # the AdaFlash options ride on a config of their own; the call's keywords override its fields as in the
+        # references
+        options = {"adaflash_tree_budget": tree_budget, "adaflash_verify_layout": verify_layout}
+        options = {name: value for name, value in options.items() if value is not None}
+        config = {"generation_config": GenerationConfig(**options)} if options else {}
         for candidate in [drafter, *oracles]:
             try:
-                out = target.generate(ids, attention_mask=mask, assistant_model=candidate, **tree, **kwargs)
+                out = target.generate(ids, attention_mask=mask, assistant_model=candidate, **config, **kwargs)
             except (ValueError, NotImplementedError) as error:
                 return "refused: " + _first_line(error)
             except Exception as error:
@@ -134,6 +141,11 @@ TREE_BUDGET = 16  # the tree matrix's adaflash_tree_budget
 def recorded(trees: bool = False) -> dict[str, str]:
     """The recorded outcomes of linear verification, or of tree verification (`TREE_BUDGET`) with `trees`."""
     return json.loads(RECORD.read_text())["tree_outcomes" if trees else "outcomes"]
+
+
+def recorded_kernels() -> dict[str, dict[str, str]]:
+    """The recorded outcomes per verification kernel forced (``{kernel: {family: outcome}}``)."""
+    return json.loads(RECORD.read_text()).get("kernel_outcomes", {})
 
 
 def recorded_seconds() -> dict[str, float]:
@@ -196,21 +208,14 @@ def tree_lines(trees: dict[str, str]) -> list[str]:
     return lines
 
 
-def write(only: list[str] | None = None, timeout: float = 120.0, trees: bool = False) -> dict[str, str]:
-    """Sweeps every family (or re-sweeps those in `only`, keeping the others' record) and rewrites the record and
-    the README list. With `trees`, the tree verification record, over the families exact with linear verification."""
-    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-    key, seconds_key = ("tree_outcomes", "tree_seconds") if trees else ("outcomes", "seconds")
-    outcomes, seconds = ({}, {}) if not only else (record.get(key, {}), record.get(seconds_key, {}))
-    if trees:
-        sweep = only or [f for f, o in recorded().items() if o.startswith("supported")]
-    else:
-        sweep = only or families()
+def _sweep(sweep: list[str], flags: list[str], timeout: float) -> tuple[dict[str, str], dict[str, float]]:
+    """Each family's outcome and seconds, one process each (`flags` before the family on its command line)."""
+    outcomes, seconds = {}, {}
     for family in sweep:
         start = time.monotonic()
         try:
             done = subprocess.run(
-                [sys.executable, __file__, *(["--tree"] if trees else []), family],
+                [sys.executable, __file__, *flags, family],
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -227,9 +232,39 @@ def write(only: list[str] | None = None, timeout: float = 120.0, trees: bool = F
             outcomes[family] = f"unbuildable: no result within {timeout:.0f} s"
         seconds[family] = round(time.monotonic() - start, 1)
         print(f"{family} ({seconds[family]} s): {outcomes[family]}", flush=True)
+    return outcomes, seconds
+
+
+def write(only: list[str] | None = None, timeout: float = 120.0, trees: bool = False) -> dict[str, str]:
+    """Sweeps every family (or re-sweeps those in `only`, keeping the others' record) and rewrites the record and
+    the README list. With `trees`, the tree verification record, over the families exact with linear verification."""
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    key, seconds_key = ("tree_outcomes", "tree_seconds") if trees else ("outcomes", "seconds")
+    outcomes, seconds = ({}, {}) if not only else (record.get(key, {}), record.get(seconds_key, {}))
+    if trees:
+        sweep = only or [f for f, o in recorded().items() if o.startswith("supported")]
+    else:
+        sweep = only or families()
+    new_outcomes, new_seconds = _sweep(sweep, ["--tree"] if trees else [], timeout)
+    outcomes.update(new_outcomes)
+    seconds.update(new_seconds)
     record.update({key: outcomes, seconds_key: seconds})
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
     update_readme(record["outcomes"], record.get("tree_outcomes"))
+    return outcomes
+
+
+def write_kernels(kernels: list[str], timeout: float = 120.0) -> dict[str, dict[str, str]]:
+    """Sweeps the families exact with linear verification once per kernel in `kernels` (every kernel when empty),
+    each forced, and records the outcomes beside the others."""
+    from adaflash_hf.generation.verify_layout import KERNELS
+
+    record = json.loads(RECORD.read_text())
+    exact = [f for f, o in recorded().items() if o.startswith("supported")]
+    outcomes = record.setdefault("kernel_outcomes", {})
+    for kernel in kernels or list(KERNELS):
+        outcomes[kernel] = _sweep(exact, ["--kernel", kernel], timeout)[0]
+        RECORD.write_text(json.dumps(record, indent=1) + "\n")
     return outcomes
 
 
@@ -256,6 +291,10 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["--readme"]:
         record = json.loads(RECORD.read_text())
         update_readme(record["outcomes"], record.get("tree_outcomes"))
+    elif sys.argv[1:2] == ["--write-kernels"]:
+        write_kernels(sys.argv[2:])
+    elif sys.argv[1:2] == ["--kernel"]:
+        print(check_family(sys.argv[3], verify_layout=sys.argv[2]))
     elif sys.argv[1:2] == ["--tree"]:
         print(check_family(sys.argv[2], tree_budget=TREE_BUDGET))
     else:
