@@ -279,6 +279,8 @@ if __name__ == "__main__":
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # as under pytest (conftest.py): the tiny models' runtime profiles stay in memory, out of the user's cache
+    os.environ.setdefault("ADAFLASH_HF_PROFILE_DIR", "none")
     import torch
     import transformers
 
