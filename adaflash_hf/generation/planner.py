@@ -121,25 +121,15 @@ class CostTable:
         self.undrafted_s[(rows, width)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def path_cost(self, rows: int, width: int, drafted: bool) -> float | None:
-        """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`):
-        the measured cost at the nearest measured row count, interpolated between measured widths, and beyond the
-        widest the widest's (a lower bound, so that a width winning on it is run once and measured); ``None`` when
-        nothing of the kind is measured."""
+        """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`),
+        from the measured steps of its kind (`_estimate`), beyond the widest measured width the widest's (a lower
+        bound, so that a width winning on it is run once and measured); ``None`` when nothing of the kind is
+        measured."""
         if drafted:
             costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
         else:  # a plain step is the undrafted width 1
             costs = {**{key: s for key, s in self.step_s.items() if key[1] == 1}, **self.undrafted_s}
-        if (rows, width) in costs:
-            return costs[(rows, width)]
-        if not costs:
-            return None
-        near = min({r for r, _ in costs}, key=lambda r: (abs(r - rows), r))
-        widths = sorted(w for r, w in costs if r == near)
-        below, above = [w for w in widths if w <= width], [w for w in widths if w >= width]
-        if below and above:  # between two measured widths (or at one): linear
-            w0, w1 = below[-1], above[0]
-            return costs[(near, w0)] + (costs[(near, w1)] - costs[(near, w0)]) * (width - w0) / max(w1 - w0, 1)
-        return costs[(near, below[-1] if below else above[0])]
+        return _estimate(costs, rows, width, beyond=lambda widest, seconds: seconds)
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         old = self.draft_s.get(rows)
@@ -170,32 +160,36 @@ class CostTable:
         return any(w == width for _, w in self.step_s)
 
     def cost(self, rows: int, width: int) -> float | None:
-        """Seconds of a step of ``rows`` rows at ``width``; ``None`` when no step at a drafted (``width > 1``) or
-        plain (``width == 1``) width was measured at all. A row count without a measurement of that kind borrows
-        the nearest measured row count's (rows leave a batch one by one as they finish; probing each count anew would
-        cost more than the estimate's error)."""
-        if (rows, width) in self.step_s:
-            return self.step_s[(rows, width)]
-        kind = {r for (r, w) in self.step_s if (w > 1) == (width > 1)}
-        if not kind:
-            return None
-        rows = min(kind, key=lambda r: (abs(r - rows), r))
-        measured = dict(sorted((w, s) for (r, w), s in self.step_s.items() if r == rows and (w > 1) == (width > 1)))
-        if width in measured:
-            return measured[width]
-        widths = list(measured)
-        below, above = [w for w in widths if w < width], [w for w in widths if w > width]
-        if below and above:  # between two measured widths: linear
-            w0, w1 = below[-1], above[0]
-            s0, s1 = measured[w0], measured[w1]
-            return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
-        # Outside the measured widths, an upper bound, so an unmeasured width is chosen only if it pays even then (and
-        # `VerificationPlanner.width` measures the next width once drafting wins): beyond the widest, cost in
-        # proportion to width (a forward's cost grows sublinearly with width, and a step has fixed costs besides);
-        # below the narrowest, the narrowest's cost.
-        if below:
-            return measured[below[-1]] * width / below[-1]
-        return measured[above[0]]
+        """Seconds of a step of ``rows`` rows at ``width``, from the measured steps of its kind, drafted
+        (``width > 1``) or plain (``width == 1``) (`_estimate`); ``None`` when none of that kind was measured.
+        Beyond the widest measured width, an upper bound, so an unmeasured width is chosen only if it pays even then
+        (and `VerificationPlanner.width` measures the next width once drafting wins): in proportion to width (a
+        forward's cost grows sublinearly with width, and a step has fixed costs besides)."""
+        costs = {key: seconds for key, seconds in self.step_s.items() if (key[1] > 1) == (width > 1)}
+        return _estimate(costs, rows, width, beyond=lambda widest, seconds: seconds * width / widest)
+
+
+def _estimate(costs: dict, rows: int, width: int, beyond) -> float | None:
+    """A step's seconds at ``(rows, width)`` from measured ``costs`` (``{(rows, width): seconds}``); ``None`` when
+    empty. A row count without measurements borrows the nearest measured row count's (rows leave a batch one by one
+    as they finish; probing each count anew would cost more than the estimate's error); between two measured widths
+    the cost is linear, below the narrowest it is the narrowest's, and beyond the widest ``beyond(widest, its
+    seconds)`` (the caller's bound)."""
+    if (rows, width) in costs:
+        return costs[(rows, width)]
+    if not costs:
+        return None
+    near = min({r for r, _ in costs}, key=lambda r: (abs(r - rows), r))
+    measured = dict(sorted((w, s) for (r, w), s in costs.items() if r == near))
+    if width in measured:
+        return measured[width]
+    below, above = [w for w in measured if w < width], [w for w in measured if w > width]
+    if below and above:
+        w0, w1 = below[-1], above[0]
+        return measured[w0] + (measured[w1] - measured[w0]) * (width - w0) / (w1 - w0)
+    if below:
+        return beyond(below[-1], measured[below[-1]])
+    return measured[above[0]]
 
 
 class VerificationPlanner:
