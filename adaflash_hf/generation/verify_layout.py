@@ -7,9 +7,10 @@ A plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that str
 §3), while other kernels for the same product cost less at some ``M``: the transposed product ``(W @ x.T).T`` (the
 BLAS's matrix-times-few-columns path) and oneDNN's inner product on the weights as they are (no reordered copy, so
 no memory beyond the model's). Which wins depends on the BLAS library, the CPU and the memory around the forward, so
-none is assumed: for each ``M`` in `MEASURED_TOKENS`, the first verification forwards rotate through the kernels,
-timed whole in the loop (`measured.py`), and another kernel than the model's own is kept, in the pair's
-`profile.RuntimeProfile`, only if it is at least 10% faster; every other forward runs as the model wrote it.
+none is assumed: for each ``M`` (`measured_key`: every count from 2 to 16, then one key per power of two up to
+`MAX_MEASURED_TOKENS`), the first verification forwards rotate through the kernels, timed whole in the loop
+(`measured.py`), and another kernel than the model's own is kept, in the pair's `profile.RuntimeProfile`, only if it
+is at least 10% faster; every other forward runs as the model wrote it.
 BENCHMARKS.md §12 has the kernels' costs per machine (``python -m adaflash_demo.bench.kernels``).
 
 Lossless: every kernel computes the same sums of the same float32 products, in another order, as any change of GEMM
@@ -20,8 +21,8 @@ token, and greedy outputs are compared with plain ``generate()`` in the tests (e
 Only `torch.nn.functional.linear` with a plain float32 CPU weight is rerouted (what `nn.Linear` calls), through a
 `TorchFunctionMode` entered around the verification forward only, which is thread-local and leaves other calls, other
 threads and other dtypes alone. ``GenerationConfig(adaflash_verify_layout=...)`` overrides the choice: ``"auto"``
-(the default, measured), ``"linear"`` (never reroute: the off switch) or a kernel's name (always, for ``M`` in
-`MEASURED_TOKENS`).
+(the default, measured), ``"linear"`` (never reroute: the off switch) or a kernel's name (always, for every ``M``
+with a `measured_key`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,19 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
-# M = 1 is a matrix-vector product already; beyond 16 tokens (a whole block at batch 1) the model's GEMM is the
-# arithmetic-bound product it was written for
-MEASURED_TOKENS = range(2, 17)
+# A forward of more tokens is a prefill, not a verification (32 rows of a 16-token block are 512).
+MAX_MEASURED_TOKENS = 512
+
+
+def measured_key(tokens: int) -> int | None:
+    """The key under which a forward of ``tokens`` tokens (rows x width) measures its kernel; ``None``: the model's
+    own. Each count from 2 to 16 (a block at batch 1, a few tokens a row at batch > 1: where the kernels' ranking
+    changes from one count to the next) has its own; larger forwards (whole blocks at batch > 1, arithmetic-bound,
+    where the ranking is stable) share one per power of two, so a batch of any size costs a few trials. ``M = 1`` is
+    a plain step's matrix-vector product, not a verification."""
+    if tokens < 2 or tokens > MAX_MEASURED_TOKENS:
+        return None
+    return tokens if tokens <= 16 else 1 << (tokens - 1).bit_length()
 
 
 class _RoutedLinear(TorchFunctionMode):
@@ -99,14 +110,15 @@ class VerifyLayout:
 
     def layout(self, tokens: int) -> tuple[str, bool]:
         """``(layout, trial)`` for a forward over ``tokens`` tokens: ``trial`` when this forward times the layout."""
-        if not self.active or tokens not in MEASURED_TOKENS:
+        key = measured_key(tokens)
+        if not self.active or key is None:
             return "linear", False
         if self.name != "auto":
             return self.name, False
-        chosen = self.choice.chosen(tokens)
+        chosen = self.choice.chosen(key)
         if chosen is not None:
             return chosen, False
-        return self.choice.next_trial(tokens), True
+        return self.choice.next_trial(key), True
 
     @contextlib.contextmanager
     def forward(self, tokens: int):
@@ -117,4 +129,4 @@ class VerifyLayout:
         with KERNELS[layout]():
             yield trial
         if trial:
-            self.choice.record(tokens, layout, time.perf_counter() - start)
+            self.choice.record(measured_key(tokens), layout, time.perf_counter() - start)
