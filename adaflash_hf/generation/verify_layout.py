@@ -10,7 +10,9 @@ no memory beyond the model's). Which wins depends on the BLAS library, the CPU a
 none is assumed: for each ``M`` (`measured_key`: every count from 2 to 16, then one key per power of two up to
 `MAX_MEASURED_TOKENS`), the first verification forwards rotate through the kernels, timed whole in the loop
 (`measured.py`), and another kernel than the model's own is kept, in the pair's `profile.RuntimeProfile`, only if it
-is at least 10% faster; every other forward runs as the model wrote it.
+is at least 10% faster; every other forward runs as the model wrote it. A plain step of the loop is a forward of
+``M = rows`` tokens like any other, so at batch > 1 it runs the kernel measured for its ``M`` too; at batch 1 its
+matrix-vector product is not rerouted (no kernel measured clearly faster, BENCHMARKS.md §12). Plain ``generate()``, the benchmarks' baseline, runs the model's own.
 BENCHMARKS.md §12 has the kernels' costs per machine (``python -m adaflash_demo.bench.kernels``).
 
 Lossless: every kernel computes the same sums of the same float32 products, in another order, as any change of GEMM
