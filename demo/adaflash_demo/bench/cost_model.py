@@ -3,9 +3,10 @@
 For each batch size B and verified length k it times (median of ``--repeats``, after a warm-up):
 
 * ``target_ms[B][k]``: one target forward of k new tokens per row over a cached context of ``--context`` tokens
-  (k = 1 is a plain decoding step); where ``B * k`` is a token count the loop measures a kernel for
-  (`adaflash_hf.generation.verify_layout.MEASURED_TOKENS`), also ``target_transposed_ms``: the same forward with the
-  target's linear layers in the transposed layout (every kernel side by side: `kernels.py`);
+  (k = 1 is a plain decoding step), with the model's own linear layers, and ``target_best_ms`` with the fastest
+  kernel of `adaflash_hf.generation.verify_layout.KERNELS` (``best_kernel``), where the loop measures kernels
+  (`verify_layout.measured_key`); the forwards are timed by `kernels.measure` (interleaved rounds; every kernel
+  side by side: ``python -m adaflash_demo.bench.kernels``);
 * ``drafter_ms[B]``: one drafter forward over a block (features of a few new context tokens + ``block_size`` queries),
   split into its decoder layers and its LM head over the ``block_size - 1`` draft positions.
 
@@ -23,11 +24,12 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
 
 from adaflash_hf import AdaFlashDrafter
-from adaflash_hf.generation.verify_layout import KERNELS, MEASURED_TOKENS
+from adaflash_hf.generation.verify_layout import measured_key
 from adaflash_hf.utils import write_json_atomic
+
+from . import kernels
 
 NEW_CONTEXT = 4
 
@@ -40,23 +42,6 @@ def _median_ms(fn, repeats: int) -> float:
         fn()
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
-
-
-@torch.no_grad()
-def target_ms(target, batch: int, k: int, context: int, repeats: int, layout: str = "linear") -> float:
-    vocab = target.config.vocab_size
-    prefix = torch.randint(100, vocab - 100, (batch, context))
-    cache = DynamicCache(config=target.config)
-    target(input_ids=prefix, cache=cache, use_cache=True)
-    new = torch.randint(100, vocab - 100, (batch, k))
-    positions = torch.arange(context, context + k).expand(batch, k)
-
-    def step():
-        with KERNELS[layout]():
-            target(input_ids=new, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
-        cache.crop(-k)  # transformers 5.24: crop takes the (negative) number of tokens to drop
-
-    return _median_ms(step, repeats)
 
 
 @torch.no_grad()
@@ -97,21 +82,23 @@ def drafter_ms(target, drafter, batch: int, context: int, repeats: int) -> dict:
 def measure(target, drafter, batch_sizes, lengths, context: int, repeats: int) -> list[dict]:
     rows = []
     for batch in batch_sizes:
-        plain = target_ms(target, batch, 1, context, repeats)
+        forwards = kernels.measure(target, batch, [k for k in lengths if k > 1], context, repeats)
+        plain = forwards["plain_ms"]
         draft = drafter_ms(target, drafter, batch, context, repeats)
         for k in lengths:
-            verify = plain if k == 1 else target_ms(target, batch, k, context, repeats)
-            transposed = {}
-            if batch * k in MEASURED_TOKENS:
-                ms = target_ms(target, batch, k, context, repeats, layout="transposed")
-                transposed = {"target_transposed_ms": round(ms, 2), "target_transposed_rel": round(ms / plain, 3)}
+            relative = forwards.get(k, {"linear": 1.0})
+            verify = plain * relative["linear"]
+            best = {}
+            if measured_key(batch * k) is not None:
+                kernel = min(relative, key=relative.get)
+                best = {"target_best_ms": round(plain * relative[kernel], 2), "best_kernel": kernel}
             rows.append(
                 {
                     "batch_size": batch,
                     "k": k,
                     "target_ms": round(verify, 2),
                     "target_rel": round(verify / plain, 3),
-                    **transposed,
+                    **best,
                     **{key: round(v, 2) if isinstance(v, float) else v for key, v in draft.items()},
                     "drafter_rel": round(draft["drafter_ms"] / plain, 3),
                     "drafter_bf16_head_rel": round(draft["drafter_bf16_head_ms"] / plain, 3),
@@ -140,11 +127,13 @@ def markdown(rows: list[dict]) -> str:
             + " | ".join(f"{group[k]['target_rel']:.2f}" for k in lengths)
             + " |"
         )
-        if any("target_transposed_rel" in r for r in group.values()):
+        if any("best_kernel" in r for r in group.values()):
             lines.append(
-                f"| {batch}, transposed layout | | | | "
+                f"| {batch}, fastest kernel | | | | "
                 + " | ".join(
-                    f"{group[k]['target_transposed_rel']:.2f}" if "target_transposed_rel" in group[k] else ""
+                    f"{group[k]['target_best_ms'] / plain_ms:.2f} ({group[k]['best_kernel']})"
+                    if "best_kernel" in group[k]
+                    else ""
                     for k in lengths
                 )
                 + " |"
