@@ -114,15 +114,20 @@ def _rendered(tokenizer, prompts: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def demo(args) -> int:
-    """Plain generate() against AdaFlash (``--method``, the planner by default), prompt by prompt at batch 1: one
-    answer per domain, then per domain whether every output is identical, the acceptance length and both speeds."""
+    """Plain generate() against AdaFlash (``--method``, by default the planner with n-gram paths), prompt by prompt at
+    batch 1: one answer per domain, then per domain whether every output is identical, the acceptance length and both
+    speeds."""
     from .bench import harness
 
     method = args.method or demo_data.DEMO_METHOD
     texts = chosen_prompts(args, default_per_domain=4)
     target, tokenizer, drafter = load_demo_models(args)
     chosen = _rendered(tokenizer, texts)
-    print(f"method: {method} against plain generate()", file=sys.stderr)
+    settings = {k: v for k, v in harness.method_kwargs(method, drafter).items() if k != "assistant_model"}
+    shown = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+    print(
+        f"method: {method} (generate(..., assistant_model=drafter, {shown})) against plain generate()", file=sys.stderr
+    )
     samples = {}  # the last AdaFlash answer per domain, shown as an example
 
     def keep_sample(domain, ran, rows):
@@ -263,7 +268,8 @@ def build_parser():
     demo_parser.add_argument(
         "--method",
         choices=ADAFLASH_METHODS,
-        help="the AdaFlash length policy shown against plain generate() (default: adaflash_planned)",
+        help="the AdaFlash method shown against plain generate() (default: adaflash_hybrid, the planner with the "
+        "context's n-gram continuations; adaflash_planned on targets that refuse draft trees: sliding-window, ALiBi)",
     )
     demo_parser.set_defaults(func=demo)
 

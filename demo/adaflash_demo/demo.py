@@ -25,8 +25,10 @@ DRAFTER_DIR = DATA_DIR / "smollm2-drafter"
 # stops (adaflash_demo.recipe.validation_prompts); the demo and the benchmark serve only the first 16.
 EVALUATION_PROMPTS = 16
 
-# What `adaflash-demo demo` shows against plain generate(): the planner, which never verifies what cannot pay.
-DEMO_METHOD = "adaflash_planned"
+# What `adaflash-demo demo` shows against plain generate(): the planner, which never verifies what cannot pay, with the
+# context's n-gram continuations merged into the drafter's trees (adaflash_ngram): answers that quote their prompt
+# are copied, the rest drafted (BENCHMARKS.md section 15: ahead of the planner alone on every domain).
+DEMO_METHOD = "adaflash_hybrid"
 
 
 def _shipped_rows(path: Path) -> list[dict]:
