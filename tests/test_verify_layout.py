@@ -92,6 +92,18 @@ def test_measured_choice_alternates_and_keeps_the_candidate_only_when_clearly_fa
     assert choice.chosen("fast") is None and choice.chosen("close") is None and choice.timings == {}
 
 
+def test_measured_choice_times_only_the_candidates_of_a_key():
+    choice = MeasuredChoice("a", ("b", "c"), trials=1, margin=0.9, candidates_for=lambda key: ("c",) if key else ())
+    assert choice.next_trial(0) == "a"
+    choice.record(0, "a", 1.0)
+    assert choice.chosen(0) == "a"  # nothing to time against the baseline
+    seen = []
+    for _ in range(2):
+        seen.append(choice.next_trial(1))
+        choice.record(1, seen[-1], {"a": 1.0, "c": 0.5}[seen[-1]])
+    assert seen == ["a", "c"] and choice.chosen(1) == "c"
+
+
 def test_measured_choice_rotates_through_every_option_and_keeps_the_fastest():
     choice = MeasuredChoice("a", ("b", "c"), trials=2, margin=0.9)
     seen = []
@@ -107,7 +119,7 @@ def test_measured_choice_rotates_through_every_option_and_keeps_the_fastest():
 
 
 def test_token_counts_are_measured_each_up_to_16_then_per_power_of_two():
-    assert [verify_layout.measured_key(m) for m in (0, 1, 2, 3, 15, 16)] == [None, None, 2, 3, 15, 16]
+    assert [verify_layout.measured_key(m) for m in (0, 1, 2, 3, 15, 16)] == [None, 1, 2, 3, 15, 16]
     assert [verify_layout.measured_key(m) for m in (17, 32, 33, 100, 128, 129, 512, 513)] == [
         32,
         32,
@@ -120,15 +132,19 @@ def test_token_counts_are_measured_each_up_to_16_then_per_power_of_two():
     ]
 
 
-def test_a_larger_forward_shares_its_power_of_twos_measurement(monkeypatch):
+def test_a_larger_forward_shares_its_power_of_twos_measurement_without_the_transposed_product(monkeypatch):
     target = tiny_target()
     clock = iter(range(1000))
     monkeypatch.setattr(verify_layout.time, "perf_counter", lambda: next(clock))
     profile = RuntimeProfile()
     layout = VerifyLayout(target, "auto", profile)
-    for tokens in [40, 48, 64, 33, 60, 50]:  # 3 kernels x 2 trials, all under the key 64
+    timed = []
+    for tokens in [40, 48, 64, 33]:  # linear and oneDNN x 2 trials, all under the key 64
+        assert layout.layout(tokens)[1]
         with layout.forward(tokens) as trial:
             assert trial
+        timed.append(profile.layouts.chosen(64) or "measuring")
+    assert timed == ["measuring"] * 3 + ["linear"]  # decided after 2 + 2 trials: the transposed product is not timed
     assert layout.layout(45) == ("linear", False) and profile.layouts.chosen(64) == "linear"
     assert layout.layout(65)[1] is True  # the next power of two is measured on its own
 
@@ -139,7 +155,7 @@ def test_layout_is_measured_per_token_count_and_kept(monkeypatch):
     monkeypatch.setattr(verify_layout.time, "perf_counter", lambda: next(clock))  # every forward "takes" 1 s
     profile = RuntimeProfile()
     layout = VerifyLayout(target, "auto", profile)
-    assert layout.layout(1) == ("linear", False) and layout.layout(513) == ("linear", False)  # not verifications
+    assert layout.layout(0) == ("linear", False) and layout.layout(513) == ("linear", False)  # not measured
     trials = []
     for _ in range(len(KERNELS) * LAYOUT_TRIALS):
         with layout.forward(3) as trial:

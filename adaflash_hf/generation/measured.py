@@ -30,10 +30,13 @@ class MeasuredChoice:
         margin (`float`): the fastest candidate is chosen when its median time is below ``margin`` times the
             baseline's.
         lock (`threading.RLock`, *optional*): the lock guarding the bookkeeping (its owner's; a new one by default).
+        candidates_for (`Callable`, *optional*): ``key -> candidates`` timed for that key (a subset of
+            ``candidates``; all of them by default), where some are known not to be worth their trials.
     """
 
-    def __init__(self, baseline, candidates: tuple, trials: int, margin: float, lock=None):
+    def __init__(self, baseline, candidates: tuple, trials: int, margin: float, lock=None, candidates_for=None):
         self.baseline, self.candidates = baseline, tuple(candidates)
+        self.candidates_for = candidates_for
         self.trials_per_option = trials
         self.margin = margin
         self.choices: dict[Hashable, object] = {}  # key -> the option kept
@@ -48,10 +51,15 @@ class MeasuredChoice:
         """The option decided for ``key``; ``None`` while it is still measured."""
         return self.choices.get(key)
 
+    def options_for(self, key: Hashable) -> tuple:
+        """The baseline and the candidates timed for ``key``."""
+        candidates = self.candidates if self.candidates_for is None else self.candidates_for(key)
+        return (self.baseline, *(c for c in self.candidates if c in candidates))
+
     def next_trial(self, key: Hashable):
         """The option the next timed call of ``key`` runs."""
         with self._lock:
-            timings = self.timings.setdefault(key, {option: [] for option in self.options})
+            timings = self.timings.setdefault(key, {option: [] for option in self.options_for(key)})
             return min(timings, key=lambda option: len(timings[option]))
 
     def record(self, key: Hashable, option, seconds: float) -> None:
@@ -63,7 +71,7 @@ class MeasuredChoice:
             timings[option].append(seconds)
             if all(len(times) >= self.trials_per_option for times in timings.values()):
                 medians = {option: statistics.median(times) for option, times in timings.items()}
-                best = min(self.candidates, key=medians.get)
+                best = min(medians, key=lambda option: (option == self.baseline, medians[option]))
                 self.choices[key] = best if medians[best] < self.margin * medians[self.baseline] else self.baseline
                 self.timings.pop(key, None)
 

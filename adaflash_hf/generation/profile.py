@@ -34,7 +34,7 @@ from ..machine import machine_info
 from ..utils import write_json_atomic
 from .measured import MeasuredChoice
 from .planner import CostTable
-from .verify_layout import KERNELS
+from .verify_layout import KERNELS, kernels_for
 
 PROFILE_FORMAT = 2  # 2: verification kernels measured among three (a format-1 file knew two)
 PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
@@ -63,7 +63,9 @@ class RuntimeProfile:
         self.head_dtypes = MeasuredChoice(
             torch.float32, (torch.bfloat16,), trials=HEAD_DTYPE_TRIALS, margin=0.8, lock=self.lock
         )
-        self.layouts = MeasuredChoice("linear", tuple(KERNELS)[1:], trials=LAYOUT_TRIALS, margin=0.9, lock=self.lock)
+        self.layouts = MeasuredChoice(
+            "linear", tuple(KERNELS)[1:], trials=LAYOUT_TRIALS, margin=0.9, lock=self.lock, candidates_for=kernels_for
+        )
         self._cost_tables: dict[tuple[str, str], CostTable] = {}
         # (dtype, vocabulary key) -> (the weight it was made from, its version then, the copy)
         self._head_copies: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}

@@ -1,4 +1,4 @@
-"""The kernel of the target's linear layers in a verification forward of a few tokens on a CPU, measured.
+"""The kernel of the target's linear layers in the decoding loop's forwards on a CPU, measured.
 
 A verification forward multiplies the ``M = rows x width`` tokens it verifies by every weight matrix of the target.
 A plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small
@@ -7,12 +7,13 @@ A plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that str
 §3), while other kernels for the same product cost less at some ``M``: the transposed product ``(W @ x.T).T`` (the
 BLAS's matrix-times-few-columns path) and oneDNN's inner product on the weights as they are (no reordered copy, so
 no memory beyond the model's). Which wins depends on the BLAS library, the CPU and the memory around the forward, so
-none is assumed: for each ``M`` (`measured_key`: every count from 2 to 16, then one key per power of two up to
-`MAX_MEASURED_TOKENS`), the first verification forwards rotate through the kernels, timed whole in the loop
+none is assumed: for each ``M`` (`measured_key`: every count from 1 to 16, then one key per power of two up to
+`MAX_MEASURED_TOKENS`), the first forwards rotate through the kernels (`kernels_for`), timed whole in the loop
 (`measured.py`), and another kernel than the model's own is kept, in the pair's `profile.RuntimeProfile`, only if it
 is at least 10% faster; every other forward runs as the model wrote it. A plain step of the loop is a forward of
-``M = rows`` tokens like any other, so at batch > 1 it runs the kernel measured for its ``M`` too; at batch 1 its
-matrix-vector product is not rerouted (no kernel measured clearly faster, BENCHMARKS.md §12). Plain ``generate()``, the benchmarks' baseline, runs the model's own.
+``M = rows`` tokens like any other, so it runs the kernel measured for its ``M`` too (a matrix-vector product at
+batch 1, where oneDNN's can beat the BLAS's with several threads). Plain ``generate()``, the benchmarks' baseline,
+runs the model's own.
 BENCHMARKS.md §12 has the kernels' costs per machine (``python -m adaflash_demo.bench.kernels``).
 
 Lossless: every kernel computes the same sums of the same float32 products, in another order, as any change of GEMM
@@ -21,10 +22,10 @@ token, and greedy outputs are compared with plain ``generate()`` in the tests (e
 1 and 3) and in every benchmark (docs/algorithm.md §3.8).
 
 Only `torch.nn.functional.linear` with a plain float32 CPU weight is rerouted (what `nn.Linear` calls), through a
-`TorchFunctionMode` entered around the verification forward only, which is thread-local and leaves other calls, other
-threads and other dtypes alone. ``GenerationConfig(adaflash_verify_layout=...)`` overrides the choice: ``"auto"``
-(the default, measured), ``"linear"`` (never reroute: the off switch) or a kernel's name (always, for every ``M``
-with a `measured_key`).
+`TorchFunctionMode` entered around the loop's forwards after the prefill only, which is thread-local and leaves other
+calls, other threads and other dtypes alone. ``GenerationConfig(adaflash_verify_layout=...)`` overrides the choice:
+``"auto"`` (the default, measured), ``"linear"`` (never reroute: the off switch) or a kernel's name (always, for every
+``M`` with a `measured_key`).
 """
 
 from __future__ import annotations
@@ -41,13 +42,20 @@ MAX_MEASURED_TOKENS = 512
 
 def measured_key(tokens: int) -> int | None:
     """The key under which a forward of ``tokens`` tokens (rows x width) measures its kernel; ``None``: the model's
-    own. Each count from 2 to 16 (a block at batch 1, a few tokens a row at batch > 1: where the kernels' ranking
-    changes from one count to the next) has its own; larger forwards (whole blocks at batch > 1, arithmetic-bound,
-    where the ranking is stable) share one per power of two, so a batch of any size costs a few trials. ``M = 1`` is
-    a plain step's matrix-vector product, not a verification."""
-    if tokens < 2 or tokens > MAX_MEASURED_TOKENS:
+    own. Each count from 1 (a plain step at batch 1: a matrix-vector product) to 16 (a block at batch 1, a few tokens
+    a row at batch > 1: where the kernels' ranking changes from one count to the next) has its own; larger forwards
+    (whole blocks at batch > 1, arithmetic-bound, where the ranking is stable) share one per power of two, so a batch
+    of any size costs a few trials."""
+    if tokens < 1 or tokens > MAX_MEASURED_TOKENS:
         return None
     return tokens if tokens <= 16 else 1 << (tokens - 1).bit_length()
+
+
+def kernels_for(key: int) -> tuple[str, ...]:
+    """The kernels timed against ``linear`` for a `measured_key`: above 16 tokens the transposed product is the
+    BLAS's few-columns path on many columns, slower than ``linear`` on every machine measured (BENCHMARKS.md
+    sections 12 and 14), and a trial there costs several plain steps, so it is not timed."""
+    return tuple(KERNELS)[1:] if key <= 16 else ("onednn",)
 
 
 class _RoutedLinear(TorchFunctionMode):
