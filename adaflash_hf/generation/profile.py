@@ -53,8 +53,8 @@ class RuntimeProfile:
     Attributes:
         lock (`threading.RLock`): guards every table below.
         head_dtypes (`MeasuredChoice`): float32 or bfloat16 for the draft head, by (device, head shape, vocabulary).
-        layouts (`MeasuredChoice`): the linear kernel of a verification forward (``"linear"``, ``"transposed"``,
-            ``"onednn"``: `verify_layout.KERNELS`), by tokens verified.
+        layouts (`MeasuredChoice`): the linear kernel of the loop's forwards (``"linear"``, ``"transposed"``,
+            ``"onednn"``: `verify_layout.KERNELS`), by `verify_layout.measured_key` of their tokens.
     """
 
     def __init__(self):
