@@ -265,15 +265,30 @@ def test_the_planner_verifies_paths_without_the_drafter_when_it_does_not_pay():
     assert undrafted and sum(a for s in undrafted for a in s.ngram_accepted) > 0
 
 
-def test_undrafted_widths_are_costed_apart_and_optimistically_until_measured():
+def test_undrafted_widths_are_costed_apart_and_by_their_tokens_until_measured():
     table = CostTable()
     table.observe(1, 1, 1.0)
+    assert table.path_cost(1, 6, drafted=False) == 1.0  # one token count known: its cost, a lower bound
+    table.observe_draft(1, 0.5)
     table.observe(1, 4, 2.0)
-    assert table.path_cost(1, 6, drafted=True) == 2.0  # the nearest narrower drafted width
-    assert table.path_cost(1, 6, drafted=False) == 1.0  # the plain step, until an undrafted width is measured
+    table.observe(1, 8, 2.5)
+    # forwards without the draft: 1 token 1.0 s, 4 tokens 1.5 s, 8 tokens 2.0 s
+    assert table.path_cost(1, 6, drafted=False) == pytest.approx(1.75)  # between the drafted widths, less the draft
+    assert table.path_cost(1, 10, drafted=True) == pytest.approx(2.75)  # beyond: the line through 4 and 8, + draft
     table.observe_undrafted(1, 5, 1.2)
-    assert table.path_cost(1, 6, drafted=False) == 1.2 and table.path_cost(3, 5, drafted=False) == 1.2
+    assert table.path_cost(1, 5, drafted=False) == 1.2 and table.path_cost(3, 5, drafted=False) == 1.2
     assert table.cost(1, 5) != 1.2  # drafted costs do not see undrafted steps
+
+
+def test_a_forward_is_priced_by_its_tokens_across_row_counts():
+    table = CostTable(step_s={(32, 1): 1.0, (32, 2): 1.9}, draft_s={32: 0.3})
+    assert table.forward_s(32) == 1.0 and table.forward_s(64) == pytest.approx(1.6)
+    assert table.forward_s(16) == 1.0  # below the smallest count: its cost
+    # 32 rows x 9 tokens: the line through 32 and 64 tokens, not the narrower widths' cost
+    assert table.path_cost(32, 9, drafted=False) == pytest.approx(1.6 + 0.6 / 32 * 224)
+    # a slope from two neighbouring counts is not trusted: the span is at least a factor of two
+    noisy = CostTable(step_s={(1, 1): 1.0, (1, 15): 2.0, (1, 16): 1.9})
+    assert noisy.forward_s(32) == pytest.approx(1.9 + (0.9 / 15) * 16)
 
 
 def _planned_step(planner, paths, drafter_width):
@@ -304,6 +319,23 @@ def test_the_planner_prices_each_source_by_its_own_acceptance():
     both.path_successes[0], both.path_trials[0] = 90.0, 100.0
     both.successes[:], both.trials[:] = 80.0, 100.0
     assert _planned_step(both, [path, []], 4) == (True, 10)
+
+
+def test_one_rows_path_does_not_make_a_wide_batch_verify_it():
+    """At 32 rows a step is as wide as its widest row: a path of 10 tokens in one row makes a forward of 352 tokens,
+    priced from the measured forwards of 32 and 64 tokens; it pays only when most rows copy."""
+
+    def planner(reliable_rows):
+        table = CostTable(step_s={(32, 1): 1.0, (32, 2): 1.9}, draft_s={32: 0.3})
+        planner = VerificationPlanner(table, block_size=16, batch_size=32, device=torch.device("cpu"))
+        planner.successes[:], planner.trials[:] = 5.0, 100.0  # the drafter 5%: plain steps win
+        planner.path_successes[:reliable_rows], planner.path_trials[:reliable_rows] = 95.0, 100.0
+        return planner
+
+    path = list(range(10))
+    assert _planned_step(planner(1), [path] + [[]] * 31, 1) == (False, 0)
+    drafter_runs, nodes = _planned_step(planner(32), [path] * 32, 1)
+    assert not drafter_runs and 0 < nodes < 10  # every row copies: as far as each token's cost pays
 
 
 def test_paths_are_scored_against_what_the_rows_commit_whether_verified_or_not():

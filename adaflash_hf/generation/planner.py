@@ -58,8 +58,11 @@ what verifying it would accept; under sampling, a deterministic path's token is 
 samples it, so this is speculative sampling's acceptance too), so a call whose paths stopped paying goes on measuring
 them. A step whose drafter is not worth its draft (a plain step, or a long and reliable path) verifies the
 path alone without running the drafter, at the measured cost of such undrafted widths (`CostTable.undrafted_s`).
-Widths the paths add beyond the widest measured one are costed optimistically (the widest's cost: cost grows with
-width), so a width that wins on that estimate is run, which measures it once, and is then priced by what it cost.
+Widths the paths add beyond the widest measured one are costed by the tokens their forward verifies (rows x width,
+`CostTable.forward_s`, from every step measured, at least the widest's cost): a width that wins on that estimate is
+run, which measures it, and is then priced by what it cost. At batch 1 that is close to the drafted steps of the same
+width; at batch 32 it is what keeps one row's long path from making every row verify a wide step that no narrower
+width's cost could price.
 Probes stay pure (no paths), so that they time the draft alone.
 
 The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact. It is
@@ -122,14 +125,62 @@ class CostTable:
 
     def path_cost(self, rows: int, width: int, drafted: bool) -> float | None:
         """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`),
-        from the measured steps of its kind (`_estimate`), beyond the widest measured width the widest's (a lower
-        bound, so that a width winning on it is run once and measured); ``None`` when nothing of the kind is
-        measured."""
+        from the measured steps of its kind (`_estimate`); beyond the widest width of its kind measured, the larger
+        of that width's cost (a lower bound) and what a forward of ``rows x width`` tokens costs by `forward_s` (plus
+        the draft, for a drafted step): at one row the paths' widths are near the measured drafted ones, while at 32
+        rows a path of 8 tokens makes a forward of 288 that no narrower width's cost says anything about. ``None``
+        when nothing of the kind is measured."""
         if drafted:
             costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
         else:  # a plain step is the undrafted width 1
             costs = {**{key: s for key, s in self.step_s.items() if key[1] == 1}, **self.undrafted_s}
-        return _estimate(costs, rows, width, beyond=lambda widest, seconds: seconds)
+
+        def beyond(widest: int, seconds: float) -> float:
+            forward = self.forward_s(rows * width)
+            draft = self._nearest(self.draft_s, rows) if drafted else 0.0
+            return seconds if forward is None else max(seconds, forward + (draft or 0.0))
+
+        return _estimate(costs, rows, width, beyond=beyond)
+
+    def forward_s(self, tokens: int) -> float | None:
+        """Seconds of a step that verifies ``tokens`` tokens (rows x width) without drafting, by token count alone,
+        from every step measured: plain, undrafted, and drafted less the measured draft (a forward's cost is the
+        weights streamed once plus arithmetic in proportion to its tokens; rows differ only in their attention,
+        small beside it at these contexts). Between measured counts linear; below the smallest its cost; beyond the
+        largest, the line through it and the largest count at most half as large (a span of at least two, so that
+        two neighbouring counts' noise does not set the slope), or the largest's cost while only one count is known
+        (a lower bound: a width that wins on it runs once, and is then measured). ``None`` before any step."""
+        points: dict[int, list[float]] = {}
+        for (rows, width), seconds in self.step_s.items():
+            draft = self._nearest(self.draft_s, rows) if width > 1 else 0.0
+            points.setdefault(rows * width, []).append(max(seconds - (draft or 0.0), 0.0))
+        for (rows, width), seconds in self.undrafted_s.items():
+            points.setdefault(rows * width, []).append(seconds)
+        if not points:
+            return None
+        curve = {count: sum(values) / len(values) for count, values in sorted(points.items())}
+        if tokens in curve:
+            return curve[tokens]
+        counts = list(curve)
+        below, above = [c for c in counts if c < tokens], [c for c in counts if c > tokens]
+        if below and above:
+            c0, c1 = below[-1], above[0]
+            return curve[c0] + (curve[c1] - curve[c0]) * (tokens - c0) / (c1 - c0)
+        if above:
+            return curve[above[0]]
+        largest = counts[-1]
+        half = [c for c in counts if c <= largest / 2]
+        if not half:
+            return curve[largest]
+        slope = max((curve[largest] - curve[half[-1]]) / (largest - half[-1]), 0.0)
+        return curve[largest] + slope * (tokens - largest)
+
+    @staticmethod
+    def _nearest(costs: dict[int, float], rows: int) -> float | None:
+        """``costs[rows]``, or the nearest measured row count's; ``None`` when empty."""
+        if not costs:
+            return None
+        return costs[min(costs, key=lambda r: (abs(r - rows), r))]
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         old = self.draft_s.get(rows)
@@ -146,9 +197,7 @@ class CostTable:
     def drafting_speedup(self, rows: int) -> float | None:
         """How much faster than plain steps drafted steps have committed tokens, at ``rows`` rows (or the nearest
         measured count); ``None`` before any drafted step."""
-        if not self.drafted_speedup:
-            return None
-        return self.drafted_speedup[min(self.drafted_speedup, key=lambda r: (abs(r - rows), r))]
+        return self._nearest(self.drafted_speedup, rows)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         key = (rows, width)
