@@ -2,6 +2,7 @@
 of plain decoding whatever it chooses (zero drafts for every row, for some rows, a width that changes every step);
 and it chooses what its measured costs and observed acceptance say pays."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -232,8 +233,36 @@ def test_with_a_drafter_that_never_agrees_probes_verify_nothing_and_back_off(len
     drafted = [i for i, (_, width) in enumerate(history) if width > 1]
     assert len(drafted) <= 3 and all(i < 20 for i in drafted)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
-    assert len(probes) <= 7  # 4, 8, 16, ... steps apart: the drafter's cost over 200 steps is under 1%
+    assert probes and gaps[-1] > gaps[1]  # ever rarer
+    # and never closer than keeps a draft of a fifth of a plain step within the budget (after the call's first)
+    assert min(gaps[1:]) >= math.ceil(0.2 / planner_module.PROBE_BUDGET)
+    assert len(probes) <= 7  # the drafter's cost over 200 steps is under 1%
+
+
+def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step():
+    # at batch 8 a draft can cost as much as a plain step: the back-off alone (4, 8, 16 steps) would spend a tenth
+    # of the time on probes
+    costs = {(1, 1): 1.0, (1, 2): 2.5, (1, 16): 4.0}
+    planner = VerificationPlanner(CostTable(step_s=dict(costs)), 16, 1, torch.device("cpu"), length_head=True)
+    history = _drive(planner, 300, agrees=lambda step: False, costs=costs, draft_s=1.0)
+    probes = [i for i, (drafted, _) in enumerate(history) if drafted]
+    assert all(width == 1 for _, width in history)
+    assert min(b - a for a, b in zip(probes, probes[1:])) >= 1.0 / planner_module.PROBE_BUDGET
+    assert (len(probes) - 1) * 1.0 / len(history) <= planner_module.PROBE_BUDGET  # after the call's first
+
+
+def test_a_probes_estimate_gives_way_to_the_first_drafted_step_measured():
+    costs = {(1, 1): 1.0, (1, 16): 2.0}
+    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, drafted_speedup={1: 0.8})
+    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True, probe_first=False)
+    planner._shadows = {0: [[7] * 15, 15, True]}  # a probe whose whole block matched
+    planner.score_shadows([0], [[]])
+    # at best 15 tokens at width 15 (unmeasured: priced at a plain step plus the draft, 1.2): drafting resumes
+    assert table.drafted_speedup[1] == pytest.approx(15 / 1.2)
+    planner._observe([0], 16, [0], [15], seconds=2.0)  # the drafted step accepted nothing: 1 token, 2 plain steps
+    assert table.drafted_speedup[1] == pytest.approx(0.5)  # measured, not averaged with the estimate
+    planner._observe([0], 16, [15], [15], seconds=2.0)  # later steps are averaged as before
+    assert table.drafted_speedup[1] == pytest.approx(0.7 * 0.5 + 0.3 * 8.0)
 
 
 def test_a_probe_whose_block_would_have_paid_resumes_drafting():

@@ -22,14 +22,16 @@ step. Every row verifies the same ``w - 1`` drafts: rows are padded to the wides
 drafts would save nothing. Wider widths are measured one at a time: when a drafted width wins and the next one was
 never measured, the step runs at that next width instead (once per width, pair and process). While plain steps win,
 no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval doubles (up
-to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice.
+to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the probes'
+drafts within `PROBE_BUDGET` (2%) of the plain steps' time (`VerificationPlanner.probe_interval`), as a draft costs a
+fifth of a plain step at batch 1 on one CPU and as much as a whole one at batch 8 on another.
 
 **Probes verify nothing.** A probe is a *shadow* step: the drafter drafts its block, but the target verifies only the
 anchor, as in a plain step, and the block is scored against the tokens the target then commits on its own: the
 drafts before the first disagreement are exactly what verifying the block would have accepted under greedy decoding
 (under sampling, agreement with the target's own samples, ``sum_x p(x) q(x)``, is a lower bound of speculative
 sampling's ``sum_x min(p(x), q(x))``, so the estimate errs towards plain steps). A probe thus costs one draft, about
-a fifth of a plain step, instead of a verification. Drafting resumes (a real drafted step, which measures the cost of
+a fraction of a plain step, instead of a verification. Drafting resumes (a real drafted step, which measures the cost of
 its width) only when the probe shows that its block would have paid even at the cheapest cost a drafted step can
 have (a plain step plus the measured draft: `shadow_gain`); the first decision of a pair with no drafted step measured
 yet is a probe as well. With a drafter that never agrees, the loop verifies nothing but anchors after the first step,
@@ -39,7 +41,9 @@ and drafts once per probe interval.
 many of its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot.
 The step then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of the
 drafted steps (committed tokens per second, a moving average per row count, head-chosen widths included) with a
-plain step's ``R / S(R, 1)``; probes are forced after plain streaks as above. *After* drafting (`refine`): the width,
+plain step's ``R / S(R, 1)``; probes are forced after plain streaks as above, and a probe whose block would have
+paid sets that rate to its estimate, which the next drafted step's measurement replaces (the estimate is the best
+width in hindsight at the cheapest cost: a moving average would take several losing steps to forget it). *After* drafting (`refine`): the width,
 with each row's ``p`` taken from its head prediction instead of its history (a predicted ``a`` accepted drafts is a
 geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor that follows the ratio of accepted to
 expected drafts. The width maximises the same expected rate over ``2 .. block_size`` (the drafter has run; every
@@ -72,6 +76,7 @@ the loop's `length_policy.StepPlan` for ``length_policy="planned"``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -87,6 +92,10 @@ FIRST_PROBE_INTERVAL = 4
 # measures the cheapest drafted width, from which wider ones are explored one at a time (`width`).
 PROBE_WIDTH = 2
 MAX_PROBE_INTERVAL = 256
+# The most that probes may add to the time of plain steps: a probe is one draft, which costs a fifth to a third of a
+# plain step at batch 1 and as much as a plain step at batch 8 or more, so the plain steps between probes are at
+# least the draft's cost over this share of a plain step's.
+PROBE_BUDGET = 0.02
 CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 
 
@@ -137,7 +146,7 @@ class CostTable:
 
         def beyond(widest: int, seconds: float) -> float:
             forward = self.forward_s(rows * width)
-            draft = self._nearest(self.draft_s, rows) if drafted else 0.0
+            draft = self.draft(rows) if drafted else 0.0
             return seconds if forward is None else max(seconds, forward + (draft or 0.0))
 
         return _estimate(costs, rows, width, beyond=beyond)
@@ -152,7 +161,7 @@ class CostTable:
         (a lower bound: a width that wins on it runs once, and is then measured). ``None`` before any step."""
         points: dict[int, list[float]] = {}
         for (rows, width), seconds in self.step_s.items():
-            draft = self._nearest(self.draft_s, rows) if width > 1 else 0.0
+            draft = self.draft(rows) if width > 1 else 0.0
             points.setdefault(rows * width, []).append(max(seconds - (draft or 0.0), 0.0))
         for (rows, width), seconds in self.undrafted_s.items():
             points.setdefault(rows * width, []).append(seconds)
@@ -186,12 +195,18 @@ class CostTable:
         old = self.draft_s.get(rows)
         self.draft_s[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
-    def observe_drafted(self, rows: int, tokens: float, seconds: float) -> None:
+    def draft(self, rows: int) -> float | None:
+        """Seconds a draft adds to a step at ``rows`` rows (or the nearest measured count); ``None`` before a probe."""
+        return self._nearest(self.draft_s, rows)
+
+    def observe_drafted(self, rows: int, tokens: float, seconds: float, replace: bool = False) -> None:
+        """Folds a drafted step's committed ``tokens`` over its ``seconds`` into `drafted_speedup`; ``replace``: the
+        value held was a probe's estimate, not a measurement, and the step's replaces it."""
         plain = self.cost(rows, 1)
         if plain is None:
             return
         speedup = (tokens / max(seconds, 1e-9)) / (rows / plain)
-        old = self.drafted_speedup.get(rows)
+        old = None if replace else self.drafted_speedup.get(rows)
         self.drafted_speedup[rows] = speedup if old is None else (1 - EMA) * old + EMA * speedup
 
     def drafting_speedup(self, rows: int) -> float | None:
@@ -283,6 +298,7 @@ class VerificationPlanner:
         self._shadows: dict[int, list] = {}  # row -> [its probe's drafts, drafts matched so far, resolved]
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
         self._probes = 0  # probes this call
+        self._estimated: set[int] = set()  # row counts whose `drafted_speedup` is a probe's estimate (`score_shadows`)
         # whether this call has scored a probe or verified drafts: until then its content is unknown (the last call's
         # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
         self._evidence = not probe_first
@@ -393,12 +409,20 @@ class VerificationPlanner:
         else:
             width = self._best_width(rows, max_width)
         first = not self._evidence or (unmeasured and not self._probes)  # nothing known yet: probe at once
-        if width == 1 and not self._shadows and (first or self.plain_streak >= table.probe_interval):
+        if width == 1 and not self._shadows and (first or self.plain_streak >= self.probe_interval(count)):
             self._shadow_now = True  # a probe: the drafter drafts the block, the target verifies the anchor
             self._probes += 1
             self.plain_streak = 0
             return max_width
         return width
+
+    def probe_interval(self, count: int) -> int:
+        """Plain steps before the next probe at ``count`` rows: the back-off (`CostTable.probe_interval`), and at
+        least as many as keep the probes' drafts within `PROBE_BUDGET` of the plain steps' time."""
+        plain, draft = self.table.cost(count, 1), self.table.draft(count)
+        if plain is None or draft is None:
+            return self.table.probe_interval
+        return max(self.table.probe_interval, math.ceil(draft / (PROBE_BUDGET * plain)))
 
     def score_paths(self, rows: list[int], committed: list[list[int]]) -> None:
         """Compares each row's pending path with the tokens it committed this step (``committed``, per row of
@@ -510,8 +534,10 @@ class VerificationPlanner:
                 shadow[2] = True
         gain = self.shadow_gain()
         if self.length_head and gain is not None:
-            # the probe's estimate replaces what earlier content's drafted steps measured (`_draft_or_plain`)
+            # the probe's estimate replaces what earlier content's drafted steps measured (`_draft_or_plain`), until
+            # the next drafted step measures it (module docstring)
             self.table.drafted_speedup[len(self._shadows)] = gain
+            self._estimated.add(len(self._shadows))
         if gain is not None and gain > 1.0:
             self._promoted = True  # the block would have paid, even if no more of it matches
         elif all(resolved for _, _, resolved in self._shadows.values()):
@@ -609,7 +635,10 @@ class VerificationPlanner:
             self._promoted = True  # the step that was to measure a drafted width ran a one-off cost: measure again
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
         if timed:
-            self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
+            self.table.observe_drafted(
+                len(rows), float(got.sum()) + len(rows), seconds, replace=len(rows) in self._estimated
+            )
+            self._estimated.discard(len(rows))
         if self._expected_accepted is not None:
             # the head's predictions, scaled, should expect as many accepted drafts as the target accepts
             ratio = (float(got.sum()) + 1.0) / (float(self._expected_accepted.sum()) + 1.0)
