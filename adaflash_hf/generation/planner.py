@@ -157,8 +157,8 @@ class CostTable:
         weights streamed once plus arithmetic in proportion to its tokens; rows differ only in their attention,
         small beside it at these contexts). Between measured counts linear; below the smallest its cost; beyond the
         largest, the line through it and the largest count at most half as large (a span of at least two, so that
-        two neighbouring counts' noise does not set the slope), or the largest's cost while only one count is known
-        (a lower bound: a width that wins on it runs once, and is then measured). ``None`` before any step."""
+        two neighbouring counts' noise does not set the slope), or, without such a count, the largest's cost (a lower
+        bound: a width that wins on it runs once, and is then measured). ``None`` before any step."""
         points: dict[int, list[float]] = {}
         for (rows, width), seconds in self.step_s.items():
             draft = self.draft(rows) if width > 1 else 0.0
@@ -168,21 +168,15 @@ class CostTable:
         if not points:
             return None
         curve = {count: sum(values) / len(values) for count, values in sorted(points.items())}
-        if tokens in curve:
-            return curve[tokens]
-        counts = list(curve)
-        below, above = [c for c in counts if c < tokens], [c for c in counts if c > tokens]
-        if below and above:
-            c0, c1 = below[-1], above[0]
-            return curve[c0] + (curve[c1] - curve[c0]) * (tokens - c0) / (c1 - c0)
-        if above:
-            return curve[above[0]]
-        largest = counts[-1]
-        half = [c for c in counts if c <= largest / 2]
-        if not half:
-            return curve[largest]
-        slope = max((curve[largest] - curve[half[-1]]) / (largest - half[-1]), 0.0)
-        return curve[largest] + slope * (tokens - largest)
+
+        def beyond(largest: int, seconds: float) -> float:
+            half = [c for c in curve if c <= largest / 2]
+            if not half:
+                return seconds
+            slope = max((seconds - curve[half[-1]]) / (largest - half[-1]), 0.0)
+            return seconds + slope * (tokens - largest)
+
+        return _interpolate(curve, tokens, beyond)
 
     @staticmethod
     def _nearest(costs: dict[int, float], rows: int) -> float | None:
@@ -244,16 +238,21 @@ def _estimate(costs: dict, rows: int, width: int, beyond) -> float | None:
     if not costs:
         return None
     near = min({r for r, _ in costs}, key=lambda r: (abs(r - rows), r))
-    measured = dict(sorted((w, s) for (r, w), s in costs.items() if r == near))
-    if width in measured:
-        return measured[width]
-    below, above = [w for w in measured if w < width], [w for w in measured if w > width]
+    return _interpolate(dict(sorted((w, s) for (r, w), s in costs.items() if r == near)), width, beyond)
+
+
+def _interpolate(curve: dict[int, float], x: int, beyond) -> float:
+    """``curve`` (non-empty, sorted by key) at ``x``: linear between its keys, below the smallest the smallest's
+    value, beyond the largest ``beyond(largest, its value)``."""
+    if x in curve:
+        return curve[x]
+    below, above = [k for k in curve if k < x], [k for k in curve if k > x]
     if below and above:
-        w0, w1 = below[-1], above[0]
-        return measured[w0] + (measured[w1] - measured[w0]) * (width - w0) / (w1 - w0)
+        k0, k1 = below[-1], above[0]
+        return curve[k0] + (curve[k1] - curve[k0]) * (x - k0) / (k1 - k0)
     if below:
-        return beyond(below[-1], measured[below[-1]])
-    return measured[above[0]]
+        return beyond(below[-1], curve[below[-1]])
+    return curve[above[0]]
 
 
 class VerificationPlanner:
