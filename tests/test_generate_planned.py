@@ -251,18 +251,19 @@ def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step(
     assert (len(probes) - 1) * 1.0 / len(history) <= planner_module.PROBE_BUDGET  # after the call's first
 
 
-def test_a_probes_estimate_gives_way_to_the_first_drafted_step_measured():
+def test_with_a_length_head_a_call_drafts_while_its_drafted_steps_summed_beat_plain_ones():
     costs = {(1, 1): 1.0, (1, 16): 2.0}
-    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, drafted_speedup={1: 0.8})
+    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, drafted_speedup={1: 1.5})
     planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True, probe_first=False)
-    planner._shadows = {0: [[7] * 15, 15, True]}  # a probe whose whole block matched
-    planner.score_shadows([0], [[]])
-    # at best 15 tokens at width 15 (unmeasured: priced at a plain step plus the draft, 1.2): drafting resumes
-    assert table.drafted_speedup[1] == pytest.approx(15 / 1.2)
-    planner._observe([0], 16, [0], [15], seconds=2.0)  # the drafted step accepted nothing: 1 token, 2 plain steps
-    assert table.drafted_speedup[1] == pytest.approx(0.5)  # measured, not averaged with the estimate
-    planner._observe([0], 16, [15], [15], seconds=2.0)  # later steps are averaged as before
-    assert table.drafted_speedup[1] == pytest.approx(0.7 * 0.5 + 0.3 * 8.0)
+    assert planner._draft_or_plain(1, 16) == 16  # nothing drafted yet this call: the earlier calls' rate
+    for accepted in (0, 0, 0):  # three losing steps: 1 token each for 3 plain steps' time
+        planner._observe([0], 16, [accepted], [15], seconds=3.0)
+    planner._observe([0], 16, [7], [15], seconds=3.0)  # one lucky step: 8 tokens
+    # a moving average would now say drafting pays; the sums say 11 tokens in 12 plain steps' time
+    assert table.drafting_speedup(1) > 1.0
+    assert planner._draft_or_plain(1, 16) == 1
+    planner._observe([0], 16, [15], [15], seconds=3.0)  # 27 tokens in 15: drafting pays
+    assert planner._draft_or_plain(1, 16) == 16
 
 
 def test_a_probe_whose_block_would_have_paid_resumes_drafting():

@@ -41,9 +41,9 @@ and drafts once per probe interval.
 many of its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot.
 The step then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of the
 drafted steps (committed tokens per second, a moving average per row count, head-chosen widths included) with a
-plain step's ``R / S(R, 1)``; probes are forced after plain streaks as above, and a probe whose block would have
-paid sets that rate to its estimate, which the next drafted step's measurement replaces (the estimate is the best
-width in hindsight at the cheapest cost: a moving average would take several losing steps to forget it). *After* drafting (`refine`): the width,
+plain step's ``R / S(R, 1)``, this call's drafted steps summed; a call starts drafting when a probe's block would
+have paid (the first decision of a call is a probe: the earlier calls' content says little about this one's), and
+probes are forced after plain streaks as above. *After* drafting (`refine`): the width,
 with each row's ``p`` taken from its head prediction instead of its history (a predicted ``a`` accepted drafts is a
 geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor that follows the ratio of accepted to
 expected drafts. The width maximises the same expected rate over ``2 .. block_size`` (the drafter has run; every
@@ -193,14 +193,12 @@ class CostTable:
         """Seconds a draft adds to a step at ``rows`` rows (or the nearest measured count); ``None`` before a probe."""
         return self._nearest(self.draft_s, rows)
 
-    def observe_drafted(self, rows: int, tokens: float, seconds: float, replace: bool = False) -> None:
-        """Folds a drafted step's committed ``tokens`` over its ``seconds`` into `drafted_speedup`; ``replace``: the
-        value held was a probe's estimate, not a measurement, and the step's replaces it."""
+    def observe_drafted(self, rows: int, tokens: float, seconds: float) -> None:
         plain = self.cost(rows, 1)
         if plain is None:
             return
         speedup = (tokens / max(seconds, 1e-9)) / (rows / plain)
-        old = None if replace else self.drafted_speedup.get(rows)
+        old = self.drafted_speedup.get(rows)
         self.drafted_speedup[rows] = speedup if old is None else (1 - EMA) * old + EMA * speedup
 
     def drafting_speedup(self, rows: int) -> float | None:
@@ -297,10 +295,12 @@ class VerificationPlanner:
         self._shadows: dict[int, list] = {}  # row -> [its probe's drafts, drafts matched so far, resolved]
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
         self._probes = 0  # probes this call
-        self._estimated: set[int] = set()  # row counts whose `drafted_speedup` is a probe's estimate (`score_shadows`)
+        # row count -> [committed tokens, seconds] of this call's drafted steps (`_draft_or_plain`)
+        self._drafted: dict[int, list[float]] = {}
         # whether this call has scored a probe or verified drafts: until then its content is unknown (the last call's
         # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
         self._evidence = not probe_first
+        self._prior_rate = not probe_first  # with a length head, draft on the earlier calls' rate (`_draft_or_plain`)
         self.last_prediction: dict | None = None
         # merged n-gram paths (`plan_paths`): their tokens in this step's tree per row, whether the drafter runs, and
         # each row's observed acceptance of path tokens
@@ -510,9 +510,17 @@ class VerificationPlanner:
         return width
 
     def _draft_or_plain(self, count: int, max_width: int) -> int:
-        """With a length head: the whole block (for `refine` to cut) when drafted steps have been committing tokens
-        faster than plain steps; else a plain step."""
-        return max_width if self.table.drafting_speedup(count) >= 1.0 else 1
+        """With a length head: the whole block (for `refine` to cut) when this call's drafted steps, all of them
+        summed, have been committing tokens faster than plain steps (a moving average would let one lucky step
+        outweigh several losing ones, and drafting would go on exactly while it is lucky); before the call has
+        drafted, a probe's block that would have paid is what starts drafting (`score_shadows`), or, in a call that
+        does not start with a probe, the earlier calls' `CostTable.drafting_speedup`; else a plain step."""
+        sums = CostTable._nearest(self._drafted, count)
+        if sums is None:
+            prior = self._prior_rate and self.table.drafting_speedup(count) >= 1.0
+            return max_width if prior else 1
+        tokens, seconds = sums
+        return max_width if tokens / seconds >= count / self.table.cost(count, 1) else 1
 
     # ------------------------------------------------------------------ probes
 
@@ -532,11 +540,6 @@ class VerificationPlanner:
             if refuted or matched == len(drafts):
                 shadow[2] = True
         gain = self.shadow_gain()
-        if self.length_head and gain is not None:
-            # the probe's estimate replaces what earlier content's drafted steps measured (`_draft_or_plain`), until
-            # the next drafted step measures it (module docstring)
-            self.table.drafted_speedup[len(self._shadows)] = gain
-            self._estimated.add(len(self._shadows))
         if gain is not None and gain > 1.0:
             self._promoted = True  # the block would have paid, even if no more of it matches
         elif all(resolved for _, _, resolved in self._shadows.values()):
@@ -634,10 +637,9 @@ class VerificationPlanner:
             self._promoted = True  # the step that was to measure a drafted width ran a one-off cost: measure again
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
         if timed:
-            self.table.observe_drafted(
-                len(rows), float(got.sum()) + len(rows), seconds, replace=len(rows) in self._estimated
-            )
-            self._estimated.discard(len(rows))
+            self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
+            sums = self._drafted.setdefault(len(rows), [0.0, 0.0])
+            sums[0], sums[1] = sums[0] + float(got.sum()) + len(rows), sums[1] + seconds
         if self._expected_accepted is not None:
             # the head's predictions, scaled, should expect as many accepted drafts as the target accepts
             ratio = (float(got.sum()) + 1.0) / (float(self._expected_accepted.sum()) + 1.0)
