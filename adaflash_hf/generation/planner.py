@@ -23,31 +23,30 @@ drafts would save nothing. Wider widths are measured one at a time: when a draft
 never measured, the step runs at that next width instead (once per width, pair and process). While plain steps win,
 no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval doubles (up
 to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the probes'
-drafts within `PROBE_BUDGET` (2%) of the plain steps' time (`VerificationPlanner.probe_interval`), as a draft costs a
-fifth of a plain step at batch 1 on one CPU and as much as a whole one at batch 8 on another.
+drafts within `PROBE_BUDGET` (2%) of the plain steps' time (`VerificationPlanner.probe_interval`): a draft costs a
+small part of a plain step at batch 1 and can cost more than a whole one at batch 8 (BENCHMARKS.md section 17).
 
 **Probes verify nothing.** A probe is a *shadow* step: the drafter drafts its block, but the target verifies only the
 anchor, as in a plain step, and the block is scored against the tokens the target then commits on its own: the
 drafts before the first disagreement are exactly what verifying the block would have accepted under greedy decoding
 (under sampling, agreement with the target's own samples, ``sum_x p(x) q(x)``, is a lower bound of speculative
-sampling's ``sum_x min(p(x), q(x))``, so the estimate errs towards plain steps). A probe thus costs one draft, about
-a fraction of a plain step, instead of a verification. Drafting resumes (a real drafted step, which measures the cost of
+sampling's ``sum_x min(p(x), q(x))``, so the estimate errs towards plain steps). A probe thus costs one draft, a
+fraction of a plain step, instead of a verification. Drafting resumes (a real drafted step, which measures the cost of
 its width) only when the probe shows that its block would have paid even at the cheapest cost a drafted step can
 have (a plain step plus the measured draft: `shadow_gain`); the first decision of a pair with no drafted step measured
 yet is a probe as well. With a drafter that never agrees, the loop verifies nothing but anchors after the first step,
 and drafts once per probe interval.
 
-**With a length head** (a drafter that has AdaFlash's head), the head reads each drafted block and predicts how
-many of its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot.
-The step then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of the
-drafted steps (committed tokens per second, a moving average per row count, head-chosen widths included) with a
-plain step's ``R / S(R, 1)``, this call's drafted steps summed; a call starts drafting when a probe's block would
-have paid (the first decision of a call is a probe: the earlier calls' content says little about this one's), and
-probes are forced after plain streaks as above. *After* drafting (`refine`): the width,
-with each row's ``p`` taken from its head prediction instead of its history (a predicted ``a`` accepted drafts is a
-geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor that follows the ratio of accepted to
-expected drafts. The width maximises the same expected rate over ``2 .. block_size`` (the drafter has run; every
-drafted width is costed by the same table).
+**With a length head** (a drafter that has AdaFlash's head), the head reads each drafted block and predicts how many of
+its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot. The step
+then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of this call's drafted
+steps (committed tokens per second, all of them summed per row count, head-chosen widths included) with a plain step's
+``R / S(R, 1)``; a call starts drafting when a probe's block would have paid (the first decision of a call is a probe:
+the earlier calls' content says little about this one's), and probes are forced after plain streaks as above. *After*
+drafting (`refine`): the width, with each row's ``p`` taken from its head prediction instead of its history (a
+predicted ``a`` accepted drafts is a geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor
+that follows the ratio of accepted to expected drafts. The width maximises the same expected rate
+over ``2 .. block_size`` (the drafter has run; every drafted width is costed by the same table).
 
 **With merged n-gram paths** (``adaflash_ngram``, `ngram.py`), the loop tells the planner before each step how
 long a continuation each row's context offers, and the planner chooses, with the drafter's width, how many path
@@ -92,9 +91,9 @@ FIRST_PROBE_INTERVAL = 4
 # measures the cheapest drafted width, from which wider ones are explored one at a time (`width`).
 PROBE_WIDTH = 2
 MAX_PROBE_INTERVAL = 256
-# The most that probes may add to the time of plain steps: a probe is one draft, which costs a fifth to a third of a
-# plain step at batch 1 and as much as a plain step at batch 8 or more, so the plain steps between probes are at
-# least the draft's cost over this share of a plain step's.
+# The most that probes may add to the time of plain steps: a probe is one draft, whose cost relative to a plain step
+# grows with the batch (BENCHMARKS.md section 17), so the plain steps between probes are at least the draft's cost
+# over this share of a plain step's.
 PROBE_BUDGET = 0.02
 CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 
