@@ -43,7 +43,10 @@ def test_harness_records_every_usable_method(word_tokenizer):
     assert fixed.verified_per_emitted > 2  # a random drafter: 8 tokens verified per step, ~1 emitted
     assert fixed.padding_fraction == 0.0 and math.isnan(plain.padding_fraction)  # one row pads nothing
     assert math.isnan(fixed.copied_fraction)
-    assert all(0.0 <= r.copied_fraction <= 1.0 for r in records if r.method in ("adaflash_hybrid", "adaflash_lookup"))
+    # a share of the accepted drafts where a step merged n-gram paths; nan where the planner found none worth verifying
+    # (on tiny models, a matter of their timings: merging itself is tested in test_ngram.py)
+    copied = [r.copied_fraction for r in records if r.method in ("adaflash_hybrid", "adaflash_lookup")]
+    assert copied and all(math.isnan(c) or 0.0 <= c <= 1.0 for c in copied)
     adaptive = [r for r in records if r.method == "adaflash_adaptive" and r.batch_size == 2]
     assert all(0.0 <= r.padding_fraction < 1.0 for r in adaptive)
 
