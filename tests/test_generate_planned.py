@@ -20,6 +20,14 @@ from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, profile_for
 PLANNED = dict(adaflash_length_policy="planned")
 
 
+@pytest.fixture
+def unbudgeted_probes(monkeypatch):
+    """Probes as often as the back-off alone allows. A tiny model's draft costs more than its plain step, and
+    drafting never pays at its timings, so within the budget (`PROBE_BUDGET`) a call after the first would hardly
+    probe; the tests using this are about what probes do, not how often they may."""
+    monkeypatch.setattr(planner_module, "PROBE_BUDGET", 1e9)
+
+
 def _generate(target, drafter, ids, mask, eos, **kwargs):
     config = GenerationConfig(
         max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=PAD, **PLANNED, **kwargs
@@ -79,7 +87,7 @@ def test_any_choice_of_the_planner_keeps_greedy_exact(monkeypatch, choice, batch
             assert len(drafter_calls) == len(stats.steps) - plain_steps and 0 < plain_steps < len(stats.steps)
 
 
-def test_the_unforced_planner_is_exact_and_its_predictions_are_recorded():
+def test_the_unforced_planner_is_exact_and_its_predictions_are_recorded(unbudgeted_probes):
     target = tiny_target()
     prompts = PROMPTS[:4]
     references = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
@@ -87,7 +95,8 @@ def test_the_unforced_planner_is_exact_and_its_predictions_are_recorded():
     oracle = oracle_drafter(target, [p + r for p, r in zip(prompts, references)])
     for drafter in (tiny_drafter(target), oracle):
         for _ in range(2):  # the second call starts from the costs the first measured
-            out, stats = _generate(target, drafter, ids, mask, None)
+            # the head's dtype as the drafter's: its trials would leave these few calls' drafted steps unpriced
+            out, stats = _generate(target, drafter, ids, mask, None, adaflash_draft_head_dtype="same")
             assert rows_of(out, prompts) == references
     steps = stats.steps
     assert all(step.step_time_s > 0 for step in steps)
@@ -188,9 +197,10 @@ def test_costs_interpolate_between_measured_widths_and_unknown_batches_are_measu
     probed = CostTable(step_s={(4, 1): 1.0, (4, 4): 2.0})  # only a probe's width: wider costs in proportion
     assert probed.cost(4, 16) == pytest.approx(8.0) and probed.cost(4, 2) == pytest.approx(2.0)
     planner = VerificationPlanner(CostTable(), block_size=16, batch_size=8, device=torch.device("cpu"))
-    assert planner.width(list(range(8)), 16) == 1  # a plain step first: everything is compared with it
-    planner.begin()
-    planner.observe(list(range(8)), 1, [0] * 8, [0] * 8)
+    for _ in range(planner_module.PLAIN_SAMPLES):  # plain steps first: everything is compared with them
+        assert planner.width(list(range(8)), 16) == 1
+        planner.begin()
+        planner.observe(list(range(8)), 1, [0] * 8, [0] * 8)
     # then a probe: the drafter drafts the block, and the target verifies none of it
     assert planner.width(list(range(8)), 16) == 16
     drafts = SimpleNamespace(tokens=torch.zeros(8, 15, dtype=torch.long), num_drafts=torch.full((8,), 15))
@@ -202,7 +212,8 @@ def _drive(planner, steps: int, agrees, costs: dict, draft_s: float = 0.2):
     commits 7 while ``agrees(step)``, else 8. Returns per step (drafter ran, tokens verified)."""
     history = []
     for step in range(steps):
-        planner.table.step_s, planner.table.draft_s = dict(costs), {1: draft_s}  # hold the costs still
+        # hold the costs still (a probe's costs a draft here: no context waits for it)
+        planner.table.step_s, planner.table.draft_s, planner.table.probe_s = dict(costs), {1: draft_s}, {1: draft_s}
         max_drafts = planner.before_draft([0], torch.tensor([15]))
         drafted = bool(max_drafts.gt(0).any())
         num_drafts = torch.zeros(1, dtype=torch.long)
@@ -280,13 +291,26 @@ def test_a_new_call_probes_at_once_and_keeps_the_measured_costs(drafted_speedup)
     # the last call's prompts, hard or easy, say little about this call's: it probes first, and the probe's block
     # decides; the measured costs and the probes' back-off stay
     costs = {(1, 1): 1.0, (1, 2): 1.4}
-    table = CostTable(step_s=dict(costs), drafted_speedup={1: drafted_speedup}, probe_interval=256)
+    table = CostTable(step_s=dict(costs), drafted_speedup={1: drafted_speedup}, probe_interval=256, idle_steps=100)
     planner = VerificationPlanner(table, block_size=16, batch_size=1, device=torch.device("cpu"), length_head=True)
     assert table.probe_interval == planner_module.CALL_PROBE_INTERVAL  # kept, up to a bound
     assert table.step_s == costs and table.drafted_speedup == {1: drafted_speedup}
     history = _drive(planner, planner_module.FIRST_PROBE_INTERVAL + 2, agrees=lambda step: False, costs=costs)
     assert history[0] == (True, 1)  # a probe: the block drafted, only the anchor verified
     assert all(width == 1 for _, width in history)  # its block disagreed at once: no drafted step follows
+
+
+def test_a_calls_first_probe_waits_for_the_budget_unless_drafting_paid_lately():
+    # at batch 8 a call's first probe reads the whole prompt into the drafter: here a whole plain step's cost, so
+    # within the budget one probe per 50 plain steps, counted across calls
+    costs = {(1, 1): 1.0, (1, 2): 1.4}
+    floor = math.ceil(1.0 / planner_module.PROBE_BUDGET)
+    for drafted_speedup, idle, first_probe in ((0.7, 0, floor), (0.7, floor - 10, 10), (1.5, 0, 0)):
+        table = CostTable(step_s=dict(costs), drafted_speedup={1: drafted_speedup}, idle_steps=idle)
+        planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
+        history = _drive(planner, floor + 2, agrees=lambda step: False, costs=costs, draft_s=1.0)
+        probes = [i for i, (drafted, _) in enumerate(history) if drafted]
+        assert probes[0] == first_probe, (drafted_speedup, idle)
 
 
 def test_a_step_marked_untimed_leaves_the_costs_alone_but_counts_its_acceptance():
@@ -299,6 +323,55 @@ def test_a_step_marked_untimed_leaves_the_costs_alone_but_counts_its_acceptance(
     planner.begin()
     planner.observe([0], 3, [2], [2])  # the mark lasts one step
     assert (1, 3) in planner.table.step_s
+
+
+def test_one_slow_step_does_not_set_a_price_and_plain_steps_are_timed_before_anything_is_compared():
+    table = CostTable()
+    table.observe(8, 1, 0.56)  # the process's first timed plain step, slowed by the machine
+    assert not table.plain_known()
+    table.observe(8, 1, 0.15)
+    table.observe(8, 1, 0.16)
+    assert table.plain_known() and table.cost(8, 1) == pytest.approx(0.16)  # the median of the window
+    for _ in range(planner_module.COST_WINDOW):
+        table.observe(8, 1, 0.2)
+    assert table.cost(8, 1) == pytest.approx(0.2)  # and it follows the machine
+    assert CostTable(step_s={(8, 1): 0.15}).plain_known()  # a cost from a profile file is trusted
+
+
+def test_drafting_that_loses_to_plain_steps_stops_even_after_a_slowed_first_plain_step():
+    # batch 8 on a CPU: a drafted step commits 13 tokens in 0.33 s (39 tokens/s), a plain one 8 in 0.15 s (53/s).
+    # A moving average started from a slowed first plain step (0.56 s) priced plain steps at 0.35 s (23 tokens/s)
+    # after three, so drafting looked 1.7x faster, and the planner, no longer stepping plainly, never corrected it.
+    rows = list(range(8))
+    planner = VerificationPlanner(CostTable(), 16, 8, torch.device("cpu"), length_head=True)
+    for seconds in (0.56, 0.15, 0.15):
+        assert planner.width(rows, 16) == 1
+        planner._observe(rows, 1, [0] * 8, [0] * 8, seconds)
+    planner._promoted = True  # a probe's block would have paid: a drafted step measures what drafting costs
+    assert planner.width(rows, 16) == 16
+    planner._observe(rows, 3, [1, 1, 1, 1, 1, 0, 0, 0], [2] * 8, 0.33)
+    assert planner.width(rows, 16) == 1
+
+
+def test_a_kernel_trial_step_counts_in_the_rates_and_prices_its_width_until_a_timed_step_does():
+    rows = list(range(8))
+    table = CostTable(step_s={(8, 1): 0.15}, draft_s={8: 0.2})
+    planner = VerificationPlanner(table, 16, 8, torch.device("cpu"), length_head=True)
+    planner._promoted = True
+    assert planner.width(rows, 16) == 16
+    planner.trial()  # this step's forward timed a candidate kernel
+    planner._observe(rows, 2, [1] * 8, [1] * 8, 0.40)
+    # no drafted step again just to measure: the trial priced width 2, and the call's rate has the step
+    assert not planner._promoted and table.step_s[(8, 2)] == pytest.approx(0.40)
+    assert planner._drafted[8] == [16.0, 0.40]
+    planner.trial()
+    planner._observe(rows, 2, [1] * 8, [1] * 8, 0.35)  # trials price by the fastest of them (the kernel kept)
+    assert table.step_s[(8, 2)] == pytest.approx(0.35)
+    planner._observe(rows, 2, [1] * 8, [1] * 8, 0.38)  # the first timed step replaces the trials' price
+    assert table.step_s[(8, 2)] == pytest.approx(0.38)
+    planner.trial()
+    planner._observe(rows, 2, [1] * 8, [1] * 8, 0.30)  # and later trials leave it alone
+    assert table.step_s[(8, 2)] == pytest.approx(0.38)
 
 
 def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monkeypatch):
@@ -385,7 +458,7 @@ def test_the_head_calibration_follows_what_the_target_accepts():
     assert int(planner.refine([0], torch.tensor([12 / 16]), torch.tensor([15]))[0]) <= 4
 
 
-def test_the_planner_with_a_length_head_is_exact():
+def test_the_planner_with_a_length_head_is_exact(unbudgeted_probes):
     target = tiny_target()
     prompts = PROMPTS[:3]
     references = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
@@ -432,7 +505,7 @@ def _probes(stats, forwards: list) -> int:
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("kind", ["random", "oracle"])
-def test_greedy_stays_exact_with_probes(kind, batch_size):
+def test_greedy_stays_exact_with_probes(kind, batch_size, unbudgeted_probes):
     target = tiny_target()
     prompts = PROMPTS[:batch_size]
     references = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
@@ -451,7 +524,7 @@ def test_greedy_stays_exact_with_probes(kind, batch_size):
     assert probes >= 2  # every call starts with one
 
 
-def test_planned_sampling_with_probes_matches_the_processed_distribution():
+def test_planned_sampling_with_probes_matches_the_processed_distribution(unbudgeted_probes):
     target = tiny_target(vocab_size=12, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=11)
     drafter.config.length_policy = "planned"
@@ -460,8 +533,8 @@ def test_planned_sampling_with_probes_matches_the_processed_distribution():
     for _ in range(100):
         forwards.clear()
         with adaflash_hf.record_stats() as stats:
-            # the model's own kernel: the first calls' kernel trials (verify_layout.py) would leave their plain steps
-            # untimed, which delays the first call's probes past its few tokens
+            # the model's own kernel: the first calls' kernel trials (verify_layout.py) would price their plain steps
+            # only provisionally, which delays the first calls' probes past their few tokens
             out = target.generate(
                 torch.tensor([PROMPT] * 20),
                 max_new_tokens=NEW,
@@ -471,7 +544,9 @@ def test_planned_sampling_with_probes_matches_the_processed_distribution():
             )
         samples += [tuple(row[len(PROMPT) :].tolist()) for row in out]
         probes += _probes(stats, forwards)
-    assert probes >= 99  # each call starts with a probe (the pair's first measures a plain step before it)
+    # each call starts with a probe, once the pair has timed `PLAIN_SAMPLES` plain steps: here the first two calls'
+    # (of their two steps, only the first has room for a draft)
+    assert probes >= 98
     assert p_value(samples, exact_joint(target)) > 1e-3
 
 
@@ -479,7 +554,7 @@ def test_a_never_agreeing_drafter_costs_a_bounded_number_of_drafts_and_no_verifi
     """Counted through real generate() calls, not timed: the step costs are held at a CPU's (verifying 16 tokens
     costs 2 plain steps, a draft a fifth of one) so that the planner's choices do not depend on this machine."""
     for name in ("observe", "observe_draft", "observe_drafted"):
-        monkeypatch.setattr(CostTable, name, lambda self, *args: None)
+        monkeypatch.setattr(CostTable, name, lambda self, *args, **kwargs: None)
     target = tiny_target()
     prompts = PROMPTS[:1]
     references = [alone(target, p, max_new_tokens=48, eos_token_id=None) for p in prompts]

@@ -1,5 +1,5 @@
 """The kernel of small verification forwards (`verify_layout.py`): every kernel computes what `linear` computes, the
-choice is measured per token count and kept, its timing steps stay out of the planner's cost table, and greedy output
+choice is measured per token count and kept, its timing steps are told to the planner as trials, and greedy output
 is plain decoding's with every kernel, on several families."""
 
 import pytest
@@ -205,10 +205,10 @@ def test_greedy_output_is_identical_with_every_kernel(monkeypatch, name, batch, 
     assert any(rerouted) == (name != "linear")
 
 
-def test_layout_trials_stay_out_of_the_planners_cost_table(monkeypatch):
+def test_layout_trials_are_told_to_the_planner_as_trials(monkeypatch):
     target = tiny_target()
     marked, trials = [], []
-    monkeypatch.setattr(VerificationPlanner, "untimed", lambda self: marked.append(True))
+    monkeypatch.setattr(VerificationPlanner, "trial", lambda self: marked.append(True))
     layout = VerifyLayout.layout
 
     def counted(self, tokens):
@@ -236,7 +236,7 @@ def test_layout_trials_stay_out_of_the_planners_cost_table(monkeypatch):
         target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     # an oracle: drafting pays, whichever widths the planner picks on this machine's timings
     assert max(step.verify_width for step in stats.steps) > 1
-    # every forward that timed a kernel, and only those, stayed out of the cost table
+    # every forward that timed a kernel, and only those, priced only what nothing timed priced (planner tests)
     assert 0 < len(marked) == sum(trials) <= 2 * len(KERNELS) * LAYOUT_TRIALS
 
 

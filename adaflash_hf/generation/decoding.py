@@ -203,7 +203,7 @@ class SpeculativeDecoding:
         else:
             verified = self.linear.verify(anchors, drafts, self.next_positions, history, padded)
         if verified.trial:
-            plan.untimed()  # this forward timed a GEMM layout (`verify_layout.py`), possibly the slow one
+            plan.trial()  # this forward timed a candidate kernel (`verify_layout.py`), possibly the slow one
         v = verified
         emitted = self.commit(v.committed, v.accepted + 1, v.processed, v.raw, v.width, v.features)
         accepted = v.accepted.tolist()

@@ -101,7 +101,10 @@ class StepPlan(Protocol):
         ``drafted`` positions of the block and ``adaflash_tree_budget``."""
 
     def untimed(self) -> None:
-        """This step ran a one-off cost (a measurement of the draft head's dtype or of a GEMM layout)."""
+        """This step ran a one-off cost (a measurement of the draft head's dtype): not a price of anything."""
+
+    def trial(self) -> None:
+        """This step's forward timed one of the candidate kernels for its token count (`verify_layout.py`)."""
 
     def after_verify(self, rows: list[int], verified, emitted: torch.LongTensor) -> dict:
         """The verified step's outcome (`verifiers.Verified`; ``emitted [R]``: the tokens each row committed, cut
@@ -126,6 +129,9 @@ class PolicyPlan:
         return num_drafts, budget
 
     def untimed(self) -> None:
+        pass
+
+    def trial(self) -> None:
         pass
 
     def after_verify(self, rows, verified, emitted) -> dict:

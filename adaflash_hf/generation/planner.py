@@ -6,7 +6,10 @@ decoding step. Both sides are measured, never assumed:
 
 * **cost**: the wall time of whole loop steps, per number of active rows ``R`` and verify width ``w`` (the anchor
   plus ``w - 1`` drafts): ``S(R, 1)`` is a plain step (no drafter forward at all), ``S(R, w)`` a drafted one. Each is
-  an exponential moving average of the loop's own steps; an unmeasured width is interpolated linearly between the
+  the median of the loop's last `COST_WINDOW` steps of its kind (one step slowed by the machine, a page fault or a
+  neighbour's burst, must not set a price: a plain step priced too high makes every drafted step look good, and the
+  planner then stops stepping plainly, which is what would correct it), and the plain step's cost is trusted once
+  `PLAIN_SAMPLES` steps measured it; an unmeasured width is interpolated linearly between the
   measured widths of the same ``R``, and bounded from above outside them (wider than the widest: in proportion to
   width; narrower than the narrowest: its cost), and an unmeasured ``R`` borrows the
   nearest measured one's costs (rows leave a batch one by one as they finish). The table lives in the pair's
@@ -23,8 +26,10 @@ drafts would save nothing. Wider widths are measured one at a time: when a draft
 never measured, the step runs at that next width instead (once per width, pair and process). While plain steps win,
 no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval doubles (up
 to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the probes'
-drafts within `PROBE_BUDGET` (2%) of the plain steps' time (`VerificationPlanner.probe_interval`): a draft costs a
-small part of a plain step at batch 1 and can cost more than a whole one at batch 8 (BENCHMARKS.md section 17).
+cost within `PROBE_BUDGET` (2%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs its
+draft and the drafter's reading of the context queued since the last draft (`CostTable.probe_s`, apart from a
+drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1, and at batch 8 a call's first
+probe, which reads the whole prompt, more than a whole one (BENCHMARKS.md section 18).
 
 **Probes verify nothing.** A probe is a *shadow* step: the drafter drafts its block, but the target verifies only the
 anchor, as in a plain step, and the block is scored against the tokens the target then commits on its own: the
@@ -33,16 +38,18 @@ drafts before the first disagreement are exactly what verifying the block would 
 sampling's ``sum_x min(p(x), q(x))``, so the estimate errs towards plain steps). A probe thus costs one draft, a
 fraction of a plain step, instead of a verification. Drafting resumes (a real drafted step, which measures the cost of
 its width) only when the probe shows that its block would have paid even at the cheapest cost a drafted step can
-have (a plain step plus the measured draft: `shadow_gain`); the first decision of a pair with no drafted step measured
-yet is a probe as well. With a drafter that never agrees, the loop verifies nothing but anchors after the first step,
+have (a plain step plus the measured draft: `shadow_gain`). A new call knows nothing of its own prompts, so its first
+decision is a probe where drafting paid lately at its row count; elsewhere the call's first probe waits until the
+plain steps since the last one, counted across calls (`CostTable.idle_steps`), keep it within the budget
+(`_first_probe_due`). With a drafter that never agrees, the loop verifies nothing but anchors after the first step,
 and drafts once per probe interval.
 
 **With a length head** (a drafter that has AdaFlash's head), the head reads each drafted block and predicts how many of
 its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot. The step
 then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of this call's drafted
 steps (committed tokens per second, all of them summed per row count, head-chosen widths included) with a plain step's
-``R / S(R, 1)``; a call starts drafting when a probe's block would have paid (the first decision of a call is a probe:
-the earlier calls' content says little about this one's), and probes are forced after plain streaks as above. *After*
+``R / S(R, 1)``; a call starts drafting when a probe's block would have paid (a call's first probe as above: the
+earlier calls' content says little about this one's), and probes are forced after plain streaks as above. *After*
 drafting (`refine`): the width, with each row's ``p`` taken from its head prediction instead of its history (a
 predicted ``a`` accepted drafts is a geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor
 that follows the ratio of accepted to expected drafts. The width maximises the same expected rate
@@ -76,14 +83,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from .length_policy import LengthPolicy, PolicyPlan, StepPlan
 
-EMA = 0.3  # weight of a new timing in the moving averages
+EMA = 0.3  # weight of a new value in the moving averages (draft cost, drafting's rate, the head's calibration)
+COST_WINDOW = 5  # a step cost is the median of this many latest steps of its rows and width
+PLAIN_SAMPLES = 3  # timed plain steps before their cost is compared with anything (`CostTable.plain_known`)
 PRIOR_ACCEPTANCE = 0.5  # per-draft acceptance assumed before anything was observed
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the pooled estimate when a row's own are few
 FIRST_PROBE_INTERVAL = 4
@@ -121,15 +132,43 @@ class CostTable:
     # rows -> committed tokens per second of drafted steps over a plain step's (rows / S(rows, 1)), moving average
     drafted_speedup: dict[int, float] = field(default_factory=dict)
     head_scale: float = 1.0  # calibration of the length head's predicted accepted drafts
-    # rows -> seconds a shadow probe's draft adds to a plain step (moving average)
+    # rows -> seconds the draft of a drafted step takes (moving average): what drafting adds to a step's forward
     draft_s: dict[int, float] = field(default_factory=dict)
+    # rows -> seconds a shadow probe adds to a plain step (moving average): its draft, and the drafter reading all
+    # the context queued since the last draft (at a call's first probe, the prompt: several times a step's draft)
+    probe_s: dict[int, float] = field(default_factory=dict)
+    idle_steps: int = 0  # plain steps since the last probe or drafted step, across calls (`VerificationPlanner.width`)
     # (rows, width) -> seconds of a step that verified merged n-gram paths without running the drafter
     undrafted_s: dict[tuple[int, int], float] = field(default_factory=dict)
     path_acceptance: float = PRIOR_ACCEPTANCE  # pooled per-token acceptance of merged n-gram paths, last call
 
-    def observe_undrafted(self, rows: int, width: int, seconds: float) -> None:
-        old = self.undrafted_s.get((rows, width))
-        self.undrafted_s[(rows, width)] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+    # (table, key) -> the latest timed seconds of a step cost (`_record`); a cost without one came from a profile file
+    _windows: dict[tuple[str, tuple[int, int]], deque] = field(default_factory=dict, repr=False, compare=False)
+    # the costs priced by a kernel trial's step only (`_record`), replaced by the first timed step of their key
+    _provisional: set[tuple[str, tuple[int, int]]] = field(default_factory=set, repr=False, compare=False)
+
+    def _record(self, name: str, key: tuple[int, int], seconds: float, provisional: bool) -> None:
+        """Adds a step's ``seconds`` to the cost ``getattr(self, name)[key]``: the median of the latest
+        `COST_WINDOW` (a cost loaded from a profile file counts as one of them). A ``provisional`` step (its forward
+        timed one of the candidate kernels, `verify_layout.py`, maybe the slow one) prices only a key nothing else
+        prices, by the fastest such step (the kernel kept will be the fastest), until the first timed step of the key
+        replaces it."""
+        costs, tag = getattr(self, name), (name, key)
+        if provisional:
+            if key not in costs or tag in self._provisional:
+                costs[key] = seconds if key not in costs else min(costs[key], seconds)
+                self._provisional.add(tag)
+            return
+        window = self._windows.get(tag)
+        if window is None or tag in self._provisional:
+            loaded = key in costs and tag not in self._provisional
+            window = self._windows[tag] = deque([costs[key]] if loaded else [], maxlen=COST_WINDOW)
+            self._provisional.discard(tag)
+        window.append(seconds)
+        costs[key] = statistics.median(window)
+
+    def observe_undrafted(self, rows: int, width: int, seconds: float, provisional: bool = False) -> None:
+        self._record("undrafted_s", (rows, width), seconds, provisional)
 
     def path_cost(self, rows: int, width: int, drafted: bool) -> float | None:
         """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`),
@@ -188,9 +227,21 @@ class CostTable:
         old = self.draft_s.get(rows)
         self.draft_s[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
+    def observe_probe(self, rows: int, seconds: float) -> None:
+        old = self.probe_s.get(rows)
+        self.probe_s[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
     def draft(self, rows: int) -> float | None:
-        """Seconds a draft adds to a step at ``rows`` rows (or the nearest measured count); ``None`` before a probe."""
-        return self._nearest(self.draft_s, rows)
+        """Seconds a drafted step's draft takes at ``rows`` rows (or the nearest measured count); before a drafted
+        step, what a probe added (an upper bound: it read the queued context too); ``None`` before either."""
+        draft = self._nearest(self.draft_s, rows)
+        return self._nearest(self.probe_s, rows) if draft is None else draft
+
+    def probe(self, rows: int) -> float | None:
+        """Seconds a probe adds to a plain step at ``rows`` rows (or the nearest measured count); before a probe, a
+        drafted step's draft (a lower bound); ``None`` before either."""
+        probe = self._nearest(self.probe_s, rows)
+        return self._nearest(self.draft_s, rows) if probe is None else probe
 
     def observe_drafted(self, rows: int, tokens: float, seconds: float) -> None:
         plain = self.cost(rows, 1)
@@ -205,10 +256,23 @@ class CostTable:
         measured count); ``None`` before any drafted step."""
         return self._nearest(self.drafted_speedup, rows)
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        key = (rows, width)
-        old = self.step_s.get(key)
-        self.step_s[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+    def observe(self, rows: int, width: int, seconds: float, provisional: bool = False) -> None:
+        """Adds a step of ``rows`` rows verifying ``width`` tokens to its cost (`_record`)."""
+        self._record("step_s", (rows, width), seconds, provisional)
+
+    def plain_known(self) -> bool:
+        """Whether plain steps' costs can be compared with others: `PLAIN_SAMPLES` plain steps timed in this process
+        (at any row counts: rows leave a batch one by one, and each count measured anew would keep a batch that
+        drafts well stepping plainly), or a cost loaded from a profile file."""
+        timed = 0
+        for rows, width in self.step_s:
+            tag = ("step_s", (rows, width))
+            if width == 1 and tag not in self._provisional:
+                window = self._windows.get(tag)
+                if window is None:
+                    return True
+                timed += len(window)
+        return timed >= PLAIN_SAMPLES
 
     def measured(self, width: int) -> bool:
         """Whether a step of this width was measured at any row count."""
@@ -263,8 +327,9 @@ class VerificationPlanner:
         length_head (`bool`): the drafter has a length head: draft-or-plain by the measured rate of drafted steps,
             and the width after drafting from the head's predictions (`refine`).
         lock (*optional*): held while the shared table is updated (the profile's).
-        probe_first (`bool`): start with a probe, as the content of a new call is unknown (the last call's acceptance
-            says little about new prompts); ``False`` decides from the table's prior at once.
+        probe_first (`bool`): start with a probe (within the budget, `_first_probe_due`), as the content of a new call
+            is unknown (the last call's acceptance says little about new prompts); ``False`` decides from the
+            table's prior at once.
     """
 
     def __init__(
@@ -287,8 +352,10 @@ class VerificationPlanner:
         self.plain_streak = 0
         self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self._started: float | None = None
+        self._drafted_at: float | None = None  # when this step's draft ended (`after_draft`); None: no draft ran
         self._probing = False
         self._untimed = False
+        self._trial = False
         self._shadow_now = False  # this step is a probe: the drafter drafts, the target verifies the anchor only
         self._shadow_drafted = False  # and the drafter did draft (no row's budget left room: a plain step)
         self._shadows: dict[int, list] = {}  # row -> [its probe's drafts, drafts matched so far, resolved]
@@ -308,10 +375,10 @@ class VerificationPlanner:
         self.path_trials = torch.zeros(batch_size, dtype=torch.float64)
         self._path_prior = table.path_acceptance  # the last call's, kept as this call's prior
         self._path_shadows: dict[int, list] = {}  # row -> [its path being scored, tokens matched so far]
-        # A new call's prompts may draft well where the last call's did not: with `probe_first` its first step is a
-        # probe, and the back-off the last call reached is kept up to `CALL_PROBE_INTERVAL`, so that one unlucky
-        # first probe does not leave a call that drafts well plain to its end, while a never-agreeing drafter costs a
-        # few drafts a call. Without it, the back-off starts again. The costs are the machine's: kept.
+        # A new call's prompts may draft well where the last call's did not: with `probe_first` it probes first
+        # (within the budget), and the back-off the last call reached is kept up to `CALL_PROBE_INTERVAL`, so that
+        # one unlucky first probe does not leave a call that drafts well plain to its end, while a never-agreeing
+        # drafter costs a few drafts a call. Without it, the back-off starts again. The costs are the machine's: kept.
         table.probe_interval = min(table.probe_interval, CALL_PROBE_INTERVAL) if probe_first else FIRST_PROBE_INTERVAL
 
     # ------------------------------------------------------------------ the loop's StepPlan
@@ -334,6 +401,8 @@ class VerificationPlanner:
         return min(cap, self._path_nodes)
 
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
+        self._sync()
+        self._drafted_at = time.perf_counter()
         if self._shadow_now:  # a probe: keep the drafts to score, verify none
             self._shadow_drafted = True
             for slot, row in enumerate(rows):
@@ -391,8 +460,8 @@ class VerificationPlanner:
         max_width = max(1, min(max_width, self.block_size))
         plain, full = table.cost(count, 1), table.cost(count, max_width)
         self._probing, self._shadow_now, self._shadow_drafted, self.last_prediction = False, False, False, None
-        if plain is None or max_width == 1:
-            return 1  # measure a plain step first: every other choice is compared with it
+        if plain is None or max_width == 1 or not table.plain_known():
+            return 1  # measure plain steps first: every other choice is compared with them
         unmeasured = (table.drafting_speedup(count) if self.length_head else full) is None
         if self._promoted:  # a probe's block would have paid: draft for real, and measure what it costs
             self._promoted, self._probing = False, True
@@ -406,21 +475,36 @@ class VerificationPlanner:
             width = self._draft_or_plain(count, max_width)
         else:
             width = self._best_width(rows, max_width)
-        first = not self._evidence or (unmeasured and not self._probes)  # nothing known yet: probe at once
-        if width == 1 and not self._shadows and (first or self.plain_streak >= self.probe_interval(count)):
+        first = not self._evidence or (unmeasured and not self._probes)  # nothing known yet of this call
+        due = self._first_probe_due(count) if first else self.plain_streak >= self.probe_interval(count)
+        if width == 1 and not self._shadows and due:
             self._shadow_now = True  # a probe: the drafter drafts the block, the target verifies the anchor
             self._probes += 1
-            self.plain_streak = 0
+            self.plain_streak = table.idle_steps = 0
             return max_width
         return width
+
+    def _first_probe_due(self, count: int) -> bool:
+        """Whether a call that knows nothing yet of its own content probes now: at once where drafting paid lately
+        at this row count, else once the plain steps since the last probe, counted across calls, keep probes
+        within their budget (`probe_floor`). A call's first probe reads its whole prompt into the drafter, which at
+        batch 8 costs more than a plain step: a probe at the start of every call would spend several percent of
+        calls that never draft, while a call whose drafting pays is looked at at once."""
+        speedup = self.table.drafting_speedup(count)
+        return (speedup is not None and speedup >= 1.0) or self.table.idle_steps >= self.probe_floor(count)
 
     def probe_interval(self, count: int) -> int:
         """Plain steps before the next probe at ``count`` rows: the back-off (`CostTable.probe_interval`), and at
         least as many as keep the probes' drafts within `PROBE_BUDGET` of the plain steps' time."""
-        plain, draft = self.table.cost(count, 1), self.table.draft(count)
-        if plain is None or draft is None:
-            return self.table.probe_interval
-        return max(self.table.probe_interval, math.ceil(draft / (PROBE_BUDGET * plain)))
+        return max(self.table.probe_interval, self.probe_floor(count))
+
+    def probe_floor(self, count: int) -> int:
+        """Plain steps per probe that keep the probes' cost within `PROBE_BUDGET` of the plain steps' time at
+        ``count`` rows (0 before a probe's cost is known)."""
+        plain, probe = self.table.cost(count, 1), self.table.probe(count)
+        if plain is None or probe is None:
+            return 0
+        return math.ceil(probe / (PROBE_BUDGET * plain))
 
     def score_paths(self, rows: list[int], committed: list[list[int]]) -> None:
         """Compares each row's pending path with the tokens it committed this step (``committed``, per row of
@@ -558,7 +642,7 @@ class VerificationPlanner:
         at the best width and the cheapest cost a drafted step of that width can have (the measured cost when the
         width was measured, else a plain step plus the measured draft); ``None`` before anything can be said."""
         rows = len(self._shadows)
-        plain, draft = self.table.cost(rows, 1), self.table.draft_s.get(rows)
+        plain, draft = self.table.cost(rows, 1), self.table.draft(rows)
         if plain is None or draft is None:
             return None
         matched = [m for _, m, _ in self._shadows.values()]
@@ -598,13 +682,22 @@ class VerificationPlanner:
     def begin(self) -> None:
         """Starts the clock of a step (before anything of it runs, the planner's choice included)."""
         self._sync()
-        self._started = time.perf_counter()
+        self._started, self._drafted_at = time.perf_counter(), None
 
     def untimed(self) -> None:
-        """Keeps the next observed step out of the cost table: it ran a one-off cost (the draft head's dtype trials
-        of a pair's first drafts time bfloat16 products that can cost several times the float32 ones), and a width
-        is measured once (`width`), so one such step would price that width for the rest of the process."""
+        """Keeps the next observed step out of the cost table and the rates: it ran a one-off cost (the draft head's
+        dtype trials of a pair's first drafts time bfloat16 products that can cost several times the float32 ones),
+        which would price its width and tell drafting apart from plain steps wrongly."""
         self._untimed = True
+
+    def trial(self) -> None:
+        """The next observed step's forward timed one of the candidate kernels for its token count
+        (`verify_layout.py`): a real step, at most as much slower than later ones as the candidate kernels differ
+        (a fraction of the forward), so it counts in this call's rates and prices its width until a step with the
+        kernel kept does (`CostTable.observe`'s ``provisional``). Excluding it would make the planner draft again
+        just to measure, once per kernel trial: several drafted steps per new token count, each a loss where
+        drafting does not pay."""
+        self._trial = True
 
     def observe(self, rows: list[int], width: int, accepted: list[int], offered: list[int]) -> float:
         """Records the step just run (started at the last `begin`); returns its measured seconds."""
@@ -615,27 +708,38 @@ class VerificationPlanner:
 
     def _observe(self, rows, width, accepted, offered, seconds) -> float:
         timed, self._untimed = not self._untimed, False
-        if self._shadow_drafted:  # a plain step plus a draft: what it adds to a plain step is the draft's cost
+        trial, self._trial = self._trial and timed, False
+        if self._shadow_drafted:  # a plain step plus a draft: what it adds to a plain step is the probe's cost
             plain = self.table.cost(len(rows), 1)
-            # a draft that timed the head's dtypes costs more than later ones: taken only while nothing better is known
-            if plain is not None and (timed or len(rows) not in self.table.draft_s):
-                self.table.observe_draft(len(rows), max(seconds - plain, 0.0))
+            # a draft that timed the head's dtypes, or beside a plain forward timing a kernel, costs more than later
+            # ones: taken only while nothing better is known
+            if plain is not None and ((timed and not trial) or len(rows) not in self.table.probe_s):
+                self.table.observe_probe(len(rows), max(seconds - plain, 0.0))
             timed = False
         if self._undrafted and width > 1:  # merged paths without the drafter: costed apart, and say nothing of drafts
             if timed:
-                self.table.observe_undrafted(len(rows), width, seconds)
+                self.table.observe_undrafted(len(rows), width, seconds, provisional=trial)
             self.plain_streak += 1
+            self.table.idle_steps += 1
             return seconds
         if timed:
-            self.table.observe(len(rows), width, seconds)
+            self.table.observe(len(rows), width, seconds, provisional=trial)
         if width == 1:  # a plain step offers no drafts, so it tells nothing about acceptance
             self.plain_streak += 1
+            self.table.idle_steps += 1
             return seconds
         self._evidence = True
-        if not timed and self._probing and not self.table.measured(width):
-            self._promoted = True  # the step that was to measure a drafted width ran a one-off cost: measure again
         got, out_of = torch.tensor(accepted, dtype=torch.float64), torch.tensor(offered, dtype=torch.float64)
+        if not timed and self._probing and not self.table.measured(width):
+            # The step that was to measure a drafted width ran a one-off cost (the head's dtype trials). If it beat
+            # plain steps even so, drafting pays: measure again at once. If not, nothing is known, and drafting again
+            # at once would be one loss per trial (at batch 8 a drafted step costs two plain steps): the next probe
+            # decides.
+            plain = self.table.cost(len(rows), 1)
+            self._promoted = plain is not None and (float(got.sum()) + len(rows)) / seconds >= len(rows) / plain
         if timed:
+            if self._drafted_at is not None:
+                self.table.observe_draft(len(rows), self._drafted_at - self._started)
             self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
             sums = self._drafted.setdefault(len(rows), [0.0, 0.0])
             sums[0], sums[1] = sums[0] + float(got.sum()) + len(rows), sums[1] + seconds
@@ -653,7 +757,7 @@ class VerificationPlanner:
             self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
         else:
             self.table.probe_interval = FIRST_PROBE_INTERVAL
-        self.plain_streak = 0
+        self.plain_streak = self.table.idle_steps = 0
         trials = float(self.trials.sum())
         if trials > 0:
             self.table.acceptance = float(self.successes.sum()) / trials

@@ -110,6 +110,7 @@ class RuntimeProfile:
                         "step_s": {f"{rows},{width}": s for (rows, width), s in table.step_s.items()},
                         "drafted_speedup": {str(rows): x for rows, x in table.drafted_speedup.items()},
                         "draft_s": {str(rows): x for rows, x in table.draft_s.items()},
+                        "probe_s": {str(rows): x for rows, x in table.probe_s.items()},
                         "undrafted_s": {f"{rows},{width}": s for (rows, width), s in table.undrafted_s.items()},
                         "acceptance": table.acceptance,
                         "path_acceptance": table.path_acceptance,
@@ -134,6 +135,7 @@ class RuntimeProfile:
                     cost.step_s[(int(rows), int(width))] = float(seconds)
                 cost.drafted_speedup.update({int(r): float(x) for r, x in table["drafted_speedup"].items()})
                 cost.draft_s.update({int(r): float(x) for r, x in table.get("draft_s", {}).items()})
+                cost.probe_s.update({int(r): float(x) for r, x in table.get("probe_s", {}).items()})
                 for key, seconds in table.get("undrafted_s", {}).items():
                     rows, width = key.split(",")
                     cost.undrafted_s[(int(rows), int(width))] = float(seconds)
