@@ -374,6 +374,39 @@ def test_a_kernel_trial_step_counts_in_the_rates_and_prices_its_width_until_a_ti
     assert table.step_s[(8, 2)] == pytest.approx(0.38)
 
 
+def test_a_probes_cost_is_kept_apart_from_a_drafted_steps_draft():
+    # a call's first probe reads the whole prompt into the drafter; a drafted step's draft reads a few tokens
+    rows = list(range(8))
+    table = CostTable(step_s={(8, 1): 0.15, (8, 2): 0.3})
+    assert table.draft(8) is None and table.probe(8) is None
+    planner = VerificationPlanner(table, 16, 8, torch.device("cpu"), length_head=True)
+    planner._shadow_drafted = True  # a probe step: 0.40 s where a plain step takes 0.15
+    planner._observe(rows, 1, [0] * 8, [0] * 8, 0.40)
+    assert table.probe(8) == pytest.approx(0.25) and table.draft(8) == pytest.approx(0.25)  # all that is known
+    planner._promoted = True
+    planner.begin()
+    planner.width(rows, 16)
+    planner.after_draft(rows, SimpleNamespace(num_drafts=torch.ones(8, dtype=torch.long), length_prediction=None))
+    planner._drafted_at = planner._started + 0.06  # the draft ended 60 ms into the step
+    planner._observe(rows, 2, [1] * 8, [1] * 8, 0.3)
+    assert table.draft(8) == pytest.approx(0.06) and table.probe(8) == pytest.approx(0.25)
+    # the budget is the probe's: one per ceil(0.25 / (0.02 x 0.15)) plain steps
+    assert planner.probe_floor(8) == math.ceil(0.25 / (planner_module.PROBE_BUDGET * 0.15))
+
+
+@pytest.mark.parametrize("seconds, again", [(0.6, False), (0.2, True)])
+def test_a_drafted_step_slowed_by_the_heads_trials_drafts_again_only_if_it_beat_plain_steps_even_so(seconds, again):
+    rows = list(range(8))
+    table = CostTable(step_s={(8, 1): 0.15}, probe_s={8: 0.25})
+    planner = VerificationPlanner(table, 16, 8, torch.device("cpu"), length_head=True)
+    planner._promoted = True
+    assert planner.width(rows, 16) == 16
+    planner.untimed()  # the draft timed the head's dtypes
+    planner._observe(rows, 2, [1] * 8, [1] * 8, seconds)  # 16 tokens: 27/s at 0.6 s, 80/s at 0.2 s; plain 53/s
+    assert (2 not in {w for _, w in table.step_s}) and planner._promoted == again
+    assert planner.width(rows, 16) == (16 if again else 1)
+
+
 def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monkeypatch):
     target = tiny_target()
     drafter = tiny_drafter(target)

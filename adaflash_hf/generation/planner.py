@@ -142,7 +142,7 @@ class CostTable:
     undrafted_s: dict[tuple[int, int], float] = field(default_factory=dict)
     path_acceptance: float = PRIOR_ACCEPTANCE  # pooled per-token acceptance of merged n-gram paths, last call
 
-    # (table, key) -> the latest timed seconds of a step cost (`_record`); a cost without one came from a profile file
+    # (cost, key) -> the latest timed seconds of a step cost (`_record`); a cost without any came from a profile file
     _windows: dict[tuple[str, tuple[int, int]], deque] = field(default_factory=dict, repr=False, compare=False)
     # the costs priced by a kernel trial's step only (`_record`), replaced by the first timed step of their key
     _provisional: set[tuple[str, tuple[int, int]]] = field(default_factory=set, repr=False, compare=False)

@@ -70,6 +70,9 @@ class BenchRecord:
     # adaflash_ngram methods: the share of accepted drafts that the context's n-gram paths proposed (a token both
     # sources proposed counts as copied); nan for the others
     copied_fraction: float = float("nan")
+    # (tokens, seconds) of each timed call in the group's batch order, for a look at how a cell's calls differ (the
+    # first calls of a process pay its kernel and draft-head trials); plain's are the same batches'
+    call_times: list = field(default_factory=list)
 
 
 @dataclass
@@ -310,6 +313,7 @@ def run_benchmark(
                     speedup_high=high,
                     calls=len(tally.calls),
                     copied_fraction=tally.copied / max(tally.accepted, 1) if tally.merged else float("nan"),
+                    call_times=[list(call) for call in tally.calls],
                 )
             )
     return records

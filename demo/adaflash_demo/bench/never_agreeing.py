@@ -58,15 +58,15 @@ def count(target, tokenizer, drafter, inputs, max_new_tokens: int) -> dict:
     hook.remove()
     steps = [step for call in stats.calls for step in call.steps]
     table = profile_for(target, drafter).cost_table(target.device, target.dtype)
-    plain, draft = table.cost(1, 1), table.draft_s.get(1)
+    plain, probe = table.cost(1, 1), table.probe(1)  # a never-agreeing drafter's forwards are probes
     return {
         "prompts": len(inputs),
         "steps": len(steps),
         "verified_beyond_anchor": sum(step.verify_width - 1 for step in steps),
         "drafter_forwards": len(forwards),
         "plain_step_s": plain,
-        "draft_s": draft,
-        "drafting_share": len(forwards) * draft / (len(steps) * plain) if plain and draft else None,
+        "probe_s": probe,
+        "drafting_share": len(forwards) * probe / (len(steps) * plain) if plain and probe else None,
     }
 
 
