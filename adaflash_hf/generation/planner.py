@@ -224,12 +224,10 @@ class CostTable:
         return costs[min(costs, key=lambda r: (abs(r - rows), r))]
 
     def observe_draft(self, rows: int, seconds: float) -> None:
-        old = self.draft_s.get(rows)
-        self.draft_s[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        _moving(self.draft_s, rows, seconds)
 
     def observe_probe(self, rows: int, seconds: float) -> None:
-        old = self.probe_s.get(rows)
-        self.probe_s[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        _moving(self.probe_s, rows, seconds)
 
     def draft(self, rows: int) -> float | None:
         """Seconds a drafted step's draft takes at ``rows`` rows (or the nearest measured count); before a drafted
@@ -247,9 +245,7 @@ class CostTable:
         plain = self.cost(rows, 1)
         if plain is None:
             return
-        speedup = (tokens / max(seconds, 1e-9)) / (rows / plain)
-        old = self.drafted_speedup.get(rows)
-        self.drafted_speedup[rows] = speedup if old is None else (1 - EMA) * old + EMA * speedup
+        _moving(self.drafted_speedup, rows, (tokens / max(seconds, 1e-9)) / (rows / plain))
 
     def drafting_speedup(self, rows: int) -> float | None:
         """How much faster than plain steps drafted steps have committed tokens, at ``rows`` rows (or the nearest
@@ -286,6 +282,12 @@ class CostTable:
         forward's cost grows sublinearly with width, and a step has fixed costs besides)."""
         costs = {key: seconds for key, seconds in self.step_s.items() if (key[1] > 1) == (width > 1)}
         return _estimate(costs, rows, width, beyond=lambda widest, seconds: seconds * width / widest)
+
+
+def _moving(averages: dict[int, float], rows: int, value: float) -> None:
+    """Moves ``averages[rows]`` towards ``value`` by `EMA` (sets it, the first time)."""
+    old = averages.get(rows)
+    averages[rows] = value if old is None else (1 - EMA) * old + EMA * value
 
 
 def _estimate(costs: dict, rows: int, width: int, beyond) -> float | None:
