@@ -492,3 +492,43 @@ def test_answers_stopped_at_loops_are_the_full_answers_cut_where_the_loop_is_fou
     stopped = recipe._answer_batch(target, prompts, config, pad_token_id=0, stop_at_loops=True)
     assert stopped == [answer[: loop_end(answer) or len(answer)] for answer in full]
     assert any(len(s) < len(f) for s, f in zip(stopped, full))  # the tiny random target does loop
+
+
+def test_a_run_tapping_other_layers_keeps_its_features_apart(tmp_path):
+    main = recipe.Layout(recipe.RecipeConfig(work_dir=str(tmp_path)))
+    other = recipe.Layout(
+        recipe.RecipeConfig(work_dir=str(tmp_path), run_name="taps6", features_dir=str(tmp_path / "features-taps6"))
+    )
+    assert main.features == tmp_path / "features" and other.features == tmp_path / "features-taps6"
+    assert other.answers == main.answers
+
+
+def test_dflash2_drafter_with_a_draft_vocabulary_is_refused_and_built_without_one():
+    with pytest.raises(ValueError, match="dflash2 drafts over the whole vocabulary.*--draft_vocab_size 0"):
+        recipe.RecipeConfig(drafter_type="dflash2", draft_vocab_size=8192)
+    config = recipe.RecipeConfig(drafter_type="dflash2", target_layer_ids=[0], num_hidden_layers=1, block_size=4)
+    drafter_config = recipe.drafter_config(_tiny_target(), config)
+    assert drafter_config.drafter_type == "dflash2" and drafter_config.draft_vocab is None
+    assert recipe.drafter_config(_tiny_target(), dataclasses.replace(config, drafter_type="dflash")).drafter_type == (
+        "dflash"
+    )
+
+
+def test_shape_ab_variants_are_valid_runs_of_the_chat_recipe(tmp_path):
+    from adaflash_demo.bench import chat_drafter_ab
+
+    namespace = dataclasses.make_dataclass("Args", ["config", "work_dir", "shards"])(
+        str(Path(__file__).parents[1] / chat_drafter_ab.CONFIG), str(tmp_path), [0, 24]
+    )
+    configs = {name: chat_drafter_ab.variant_config(name, namespace) for name in chat_drafter_ab.VARIANTS}
+    base = configs["base"]
+    assert base.answer_shards == [0, 24] and base.work_dir == str(tmp_path) and base.run_name == "ab-base"
+    for name, config in configs.items():
+        changed = {
+            field.name
+            for field in dataclasses.fields(config)
+            if getattr(config, field.name) != getattr(base, field.name) and field.name != "run_name"
+        }
+        assert changed == set(chat_drafter_ab.VARIANTS[name]), name
+    assert recipe.Layout(configs["taps6"]).features == tmp_path / "features-taps6"
+    assert configs["taps6"].target_layer_ids == [1, 6, 11, 17, 22, 27]

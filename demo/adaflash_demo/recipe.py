@@ -138,6 +138,13 @@ class RecipeConfig:
         default=1, metadata={"help": "Processes sharing the features stage (one thread each on a busy machine)."}
     )
 
+    features_dir: str = field(
+        default="",
+        metadata={
+            "help": "Where the stored features live (empty: <work_dir>/features). A run tapping other target layers "
+            "needs a folder of its own: the feature cache refuses features of other layers."
+        },
+    )
     feature_dtype: str = field(
         default="float32",
         metadata={
@@ -148,6 +155,13 @@ class RecipeConfig:
     )
 
     # Drafter geometry
+    drafter_type: str = field(
+        default="dflash",
+        metadata={
+            "help": "`dflash`, or `dflash2` (in-block local convolutions and a top-K candidate selector; drafts over "
+            "the whole vocabulary, so draft_vocab_size must be 0)."
+        },
+    )
     num_hidden_layers: int = field(default=2, metadata={"help": "Drafter layers."})
     target_layer_ids: list[int] = field(
         default_factory=lambda: [1, 10, 19, 27], metadata={"help": "Target layers the drafter reads (of 30)."}
@@ -185,6 +199,11 @@ class RecipeConfig:
         unknown = sorted(set(self.stages) - set(STAGES))
         if unknown:
             raise ValueError(f"Unknown stage(s) {unknown}; the stages are {', '.join(STAGES)}.")
+        if self.drafter_type == "dflash2" and self.draft_vocab_size:
+            raise ValueError(
+                "drafter_type=dflash2 drafts over the whole vocabulary (its selector is indexed by target token ids), "
+                f"so it cannot take draft_vocab_size={self.draft_vocab_size}: pass --draft_vocab_size 0."
+            )
 
 
 class Layout:
@@ -195,7 +214,7 @@ class Layout:
         self.root = root
         self.prompts = root / "prompts"
         self.answers = root / "answers"
-        self.features = root / "features"
+        self.features = Path(config.features_dir) if config.features_dir else root / "features"
         run = f"-{config.run_name}" if config.run_name else ""
         self.trainer = root / f"trainer{run}"
         self.drafter = root / f"drafter{run}"
@@ -470,6 +489,7 @@ def drafter_config(target, config: RecipeConfig, draft_vocab: list[int] | None =
         length_head_bottleneck_dim=config.length_head_bottleneck_dim,
         target_model="HuggingFaceTB/SmolLM2-135M-Instruct",
         draft_vocab=draft_vocab,
+        drafter_type=config.drafter_type,
     )
 
 
