@@ -532,3 +532,20 @@ def test_shape_ab_variants_are_valid_runs_of_the_chat_recipe(tmp_path):
         assert changed == set(chat_drafter_ab.VARIANTS[name]), name
     assert recipe.Layout(configs["taps6"]).features == tmp_path / "features-taps6"
     assert configs["taps6"].target_layer_ids == [1, 6, 11, 17, 22, 27]
+
+
+def test_shape_ab_report_has_a_row_per_variant_with_the_old_domains_mean():
+    from adaflash_demo.bench import chat_drafter_ab
+
+    domains = ("chat", *chat_drafter_ab.OLD_DOMAINS)
+    row = {
+        "steps": 600,
+        "calibrated_step_s": 0.9,
+        "acceptance": dict(zip(domains, (3.0, 1.0, 2.0, 3.0, 4.0))),
+        "modelled_speedup": dict.fromkeys(domains, 1.5),
+        "draft_in_plain_steps": 0.2,
+        "verify_in_plain_steps": 1.8,
+    }
+    table = chat_drafter_ab.report({"machine": "m", "slice": {}, "base": row, "block8": row}).splitlines()
+    assert len(table) == 4 and table[2].startswith("| base | 600 (0.90) | 3.00 / 1.50x |")
+    assert "| 2.50 | 0.20 / 1.80 |" in table[3]

@@ -157,6 +157,26 @@ def measure(config: recipe.RecipeConfig, args) -> dict:
     }
 
 
+def report(results: dict) -> str:
+    """The results as a markdown table: acceptance and modelled speedup per domain, costs in plain steps."""
+    domains = ("chat", *OLD_DOMAINS)
+    lines = [
+        "| variant | steps (s a step) | " + " | ".join(domains) + " | old mean | draft / verify (plain steps) |",
+        "|---" * (len(domains) + 4) + "|",
+    ]
+    for name, row in results.items():
+        if name in ("machine", "slice"):
+            continue
+        accepted, modelled = row["acceptance"], row["modelled_speedup"]
+        cells = [f"{accepted[d]:.2f} / {modelled[d]:.2f}x" for d in domains]
+        old = sum(accepted[d] for d in OLD_DOMAINS) / len(OLD_DOMAINS)
+        lines.append(
+            f"| {name} | {row['steps']} ({row['calibrated_step_s']:.2f}) | " + " | ".join(cells) + f" | {old:.2f} | "
+            f"{row['draft_in_plain_steps']:.2f} / {row['verify_in_plain_steps']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"Comma-separated, of {', '.join(VARIANTS)}.")
@@ -176,8 +196,12 @@ def main(argv=None) -> None:
     parser.add_argument("--cost_prompts", type=int, default=3, help="Chat prompts the batch-1 costs are timed on.")
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--out", default="demo/adaflash_demo/bench/results/smollm2_chat_drafter_ab.json")
+    parser.add_argument("--report", action="store_true", help="Only print the results in --out as a markdown table.")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if args.report:
+        print(report(json.loads(out.read_text())))
+        return
     for name in args.variants.split(","):
         if name not in VARIANTS:
             parser.error(f"unknown variant {name!r}; the variants are {', '.join(VARIANTS)}")
