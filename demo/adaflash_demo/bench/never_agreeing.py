@@ -1,16 +1,18 @@
 """What the planner costs when drafting cannot pay: the real target with a drafter that never agrees with it.
 
 A randomly initialised drafter of the shipped drafter's shape accepts nothing, so every step the planner does not
-take plainly is a loss. Two measurements on the shipped held-out prompts, float32 greedy, batch 1:
+take plainly is a loss. Measurements on the shipped held-out prompts, float32 greedy, ``--batch-size`` prompts a call
+(1 by default; pooled across domains, left-padded):
 
 * ``--count``: what the loop spends, counted, not timed: tokens verified beyond the anchor, drafter forwards, and
   their share of the time priced with the pair's measured costs (the runtime profile's draft and plain-step costs);
 * ``--time``: plain ``generate()`` and the planner interleaved prompt by prompt (order alternating), every prompt
   generating exactly ``--max-new-tokens``: the ratio of their times per token, with its spread;
-* ``--overhead``: where a token's time goes, plain ``generate()`` and the planner interleaved: the target's forwards
-  (timed by hooks), the drafter's drafts (the loop's own step records) and the rest, the decoding loop's own work.
-  The forwards dominate a step and carry most of the noise of a shared machine; the loop's own share is what the
-  planner's plain steps cost over transformers' ``_sample`` steps, measured apart from it.
+* ``--overhead``: where the time goes, plain ``generate()`` and the planner interleaved, every call generating exactly
+  ``--max-new-tokens``: the prefill apart, then per decoding step the target's forward (timed by hooks), the
+  drafter's drafts (the loop's own step records) and the rest, the decoding loop's own work. The forwards dominate a
+  step and carry most of the noise of a shared machine; the loop's own share is what the planner's plain steps cost
+  over transformers' ``_sample`` steps, measured apart from it.
 
     python -m adaflash_demo.bench.never_agreeing --count --time --overhead --prompts-per-domain 4
 
@@ -96,51 +98,73 @@ def timed(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
 
 
 def overhead(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
-    plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
-    ours = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, adaflash_length_policy="planned")
-    starts, inside = [], [0.0]
+    """Plain ``generate()`` and the planner, interleaved call by call, every call generating exactly
+    ``max_new_tokens``: the prefill apart, and per decoding step the target's forward (hooks), the drafter's drafts
+    (the loop's step records) and the rest, the decoding loop's own work."""
+    fixed = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    plain, ours = GenerationConfig(**fixed), GenerationConfig(**fixed, adaflash_length_policy="planned")
+    starts, forwards = [], []
 
     def enter(*_):
         starts.append(time.perf_counter())
 
     def leave(*_):
-        inside[0] += time.perf_counter() - starts.pop()
+        forwards.append(time.perf_counter() - starts.pop())
 
     hooks = [target.register_forward_pre_hook(enter), target.register_forward_hook(leave)]
-    totals = {kind: {"tokens": 0, "seconds": 0.0, "forward_s": 0.0, "draft_s": 0.0} for kind in ("plain", "ours")}
+    keys = ("calls", "seconds", "prefill_s", "steps", "forward_s", "draft_s")
+    totals = {kind: dict.fromkeys(keys, 0.0) for kind in ("plain", "ours")}
     for ids in inputs[:2]:  # warm both paths
         target.generate(**ids, generation_config=ours, assistant_model=drafter)
         target.generate(**ids, generation_config=plain)
     for repeat in range(repeats):
         for ids in inputs:
             for kind in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
-                inside[0] = 0.0
+                forwards.clear()
                 extra = {"assistant_model": drafter} if kind == "ours" else {}
                 with adaflash_hf.record_stats() as stats:
                     start = time.perf_counter()
-                    out = target.generate(**ids, generation_config=ours if kind == "ours" else plain, **extra)
+                    target.generate(**ids, generation_config=ours if kind == "ours" else plain, **extra)
                     took = time.perf_counter() - start
                 total = totals[kind]
-                total["tokens"] += out.shape[1] - ids["input_ids"].shape[1]
+                total["calls"] += 1
                 total["seconds"] += took
-                total["forward_s"] += inside[0]
+                total["prefill_s"] += forwards[0]
+                total["steps"] += len(forwards) - 1
+                total["forward_s"] += sum(forwards[1:])
                 total["draft_s"] += sum(step.draft_time_s for step in stats.steps)
     for hook in hooks:
         hook.remove()
     result = {}
     for kind, total in totals.items():
-        per_token = {key: 1e3 * total[key] / total["tokens"] for key in ("seconds", "forward_s", "draft_s")}
-        loop = per_token["seconds"] - per_token["forward_s"] - per_token["draft_s"]
+        decoding = total["seconds"] - total["prefill_s"]
+        per_step = {key: 1e3 * total[key] / total["steps"] for key in ("forward_s", "draft_s")}
         result[kind] = {
-            "ms_per_token": per_token["seconds"],
-            "forward_ms": per_token["forward_s"],
-            "draft_ms": per_token["draft_s"],
-            "loop_ms": loop,
+            "calls": int(total["calls"]),
+            "prefill_s": round(total["prefill_s"], 3),
+            "decoding_s": round(decoding, 3),
+            "steps": int(total["steps"]),
+            "forward_ms_per_step": round(per_step["forward_s"], 2),
+            "draft_ms_per_step": round(per_step["draft_s"], 2),
+            "loop_ms_per_step": round(1e3 * decoding / total["steps"] - sum(per_step.values()), 2),
         }
-    forward = result["plain"]["forward_ms"]
-    result["loop_over_plain_share"] = (result["ours"]["loop_ms"] - result["plain"]["loop_ms"]) / forward
-    result["drafting_share"] = result["ours"]["draft_ms"] / forward
+    ratio = {key: totals["ours"][key] / totals["plain"][key] for key in ("seconds", "prefill_s")}
+    result["time_ratio"] = {
+        "whole_calls": round(ratio["seconds"], 4),
+        "prefill": round(ratio["prefill_s"], 4),
+        "decoding": round(result["ours"]["decoding_s"] / result["plain"]["decoding_s"], 4),
+    }
     return result
+
+
+def batches(tokenizer, texts: list[str], batch_size: int) -> list[dict]:
+    """The prompts through the chat template, ``batch_size`` at a time, left-padded as generate() expects."""
+    tokenizer.padding_side = "left"
+    rendered = [render_prompt(tokenizer, text) for text in texts]
+    return [
+        tokenizer(rendered[start : start + batch_size], return_tensors="pt", padding=True)
+        for start in range(0, len(rendered) - batch_size + 1, batch_size)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-domain", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts a call (pooled across domains)")
     args = parser.parse_args(argv)
     if args.save_drafter:
         print(random_drafter(args.save_drafter))
@@ -164,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         options.prompts_per_domain = args.prompts_per_domain
         target, tokenizer, drafter = load_demo_models(options)
         texts = [text for domain in chosen_prompts(options, args.prompts_per_domain).values() for text in domain]
-        inputs = [tokenizer(render_prompt(tokenizer, text), return_tensors="pt") for text in texts]
+        inputs = batches(tokenizer, texts, args.batch_size)
+        if not inputs:
+            parser.error(f"--batch-size {args.batch_size}: only {len(texts)} prompts; raise --prompts-per-domain")
         if args.count:
             print(count(target, tokenizer, drafter, inputs, args.max_new_tokens))
         if args.time:
