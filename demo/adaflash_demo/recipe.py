@@ -579,13 +579,33 @@ def evaluation_prompts(prompts_dir: Path, domain: str, count: int) -> list[dict]
     return read_jsonl(Path(prompts_dir) / f"{domain}.heldout.jsonl")[:count]
 
 
+def heldout_acceptance(
+    target, tokenizer, drafter, prompts_dir, domain: str, count: int, new_tokens: int, policy="fixed"
+):
+    """Acceptance of ``drafter`` on the first ``count`` held-out prompts of ``domain``, measured by the real loop
+    (`adaflash_hf.training.measure_acceptance`: float32 greedy, batch 8, ``new_tokens`` new tokens)."""
+    from adaflash_hf.training import measure_acceptance
+
+    rows = evaluation_prompts(prompts_dir, domain, count)
+    prompts = [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in rows]
+    return measure_acceptance(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        batch_size=8,
+        length_policy=policy,
+    )
+
+
 def stage_evaluate(config: RecipeConfig, layout: Layout) -> dict:
     """Held-out acceptance per domain (float32 greedy, batch 8) with the fixed block and the adaptive policy,
     measured by the real speculative loop."""
     if layout.evaluation.exists():
         return json.loads(layout.evaluation.read_text())
     from adaflash_hf import AdaFlashDrafter
-    from adaflash_hf.training import measure_acceptance
 
     target, tokenizer = load_target()
     drafter = AdaFlashDrafter.from_pretrained(layout.drafter, dtype=torch.float32).eval()
@@ -596,19 +616,17 @@ def stage_evaluate(config: RecipeConfig, layout: Layout) -> dict:
         runs["fixed_whole_vocabulary"] = ("fixed", whole)
     results = {}
     for domain in trained_domains(layout) + (instructions.UNSEEN_DOMAIN,):
-        rows = evaluation_prompts(layout.prompts, domain, config.eval_prompts_per_domain)
-        prompts = [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in rows]
         results[domain] = {}
         for name, (policy, model) in runs.items():
-            stats = measure_acceptance(
+            stats = heldout_acceptance(
                 target,
+                tokenizer,
                 model,
-                prompts,
-                max_new_tokens=config.eval_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                batch_size=8,
-                length_policy=policy,
+                layout.prompts,
+                domain,
+                config.eval_prompts_per_domain,
+                config.eval_new_tokens,
+                policy,
             )
             results[domain][name] = {
                 "mean_acceptance_length": round(stats.mean_acceptance_length, 3),

@@ -90,7 +90,6 @@ def measure(config: recipe.RecipeConfig, args) -> dict:
 
     import adaflash_hf
     from adaflash_hf import AdaFlashDrafter
-    from adaflash_hf.training import measure_acceptance
 
     from ..smollm2 import load_target
 
@@ -99,18 +98,7 @@ def measure(config: recipe.RecipeConfig, args) -> dict:
     drafter = AdaFlashDrafter.from_pretrained(layout.drafter, dtype=torch.float32).eval()
     acceptance = {}
     for domain, count in [("chat", args.chat_prompts)] + [(d, args.old_prompts) for d in OLD_DOMAINS]:
-        rows = recipe.evaluation_prompts(layout.prompts, domain, count)
-        prompts = [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in rows]
-        stats = measure_acceptance(
-            target,
-            drafter,
-            prompts,
-            max_new_tokens=args.new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            batch_size=8,
-            length_policy="fixed",
-        )
+        stats = recipe.heldout_acceptance(target, tokenizer, drafter, layout.prompts, domain, count, args.new_tokens)
         acceptance[domain] = round(stats.mean_acceptance_length, 3)
         print(f"  {config.run_name} {domain}: acceptance {acceptance[domain]}", flush=True)
 
