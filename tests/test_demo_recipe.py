@@ -549,3 +549,79 @@ def test_shape_ab_report_has_a_row_per_variant_with_the_old_domains_mean():
     table = chat_drafter_ab.report({"machine": "m", "slice": {}, "base": row, "block8": row}).splitlines()
     assert len(table) == 4 and table[2].startswith("| base | 600 (0.90) | 3.00 / 1.50x |")
     assert "| 2.50 | 0.20 / 1.80 |" in table[3]
+
+
+def test_checkpoints_are_chosen_by_the_loops_acceptance_on_validation_prompts(chat_build, monkeypatch, word_tokenizer):
+    """With ``select_prompts_per_domain`` every evaluation measures acceptance through the real loop on validation
+    prompts (never the measured ones), the trainer keeps the checkpoint with the best mean, and the history says so."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = copy.deepcopy(word_tokenizer)  # the trainer needs a real tokenizer; this one has 128 ids
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    ).eval()
+    monkeypatch.setattr(recipe, "load_target", lambda dtype=torch.float32: (target.to(dtype), tokenizer))
+    config = chat_build(
+        answer_shards=[0, 5],
+        target_layer_ids=[0],
+        num_hidden_layers=1,
+        block_size=4,
+        mask_token_id=3,
+        draft_vocab_size=0,
+        max_steps=4,
+        save_steps=2,
+        warmup_steps=1,
+        per_device_train_batch_size=2,
+        num_anchors=2,
+        max_length=96,
+        max_answer_tokens=12,
+        feature_dtype="float32",
+        eval_new_tokens=6,
+        eval_prompts_per_domain=1,
+        select_prompts_per_domain=1,
+    )
+    layout = recipe.Layout(config)
+    recipe.run(dataclasses.replace(config, stages=["prompts", "answers", "features"]))
+    measured = {
+        domain: recipe.evaluation_prompts(layout.prompts, domain, 1) for domain in recipe.trained_domains(layout)
+    }
+    selection = recipe.selection_prompts(layout, config)
+    assert set(selection) == set(measured) == {"chat", *instructions.TRAINED_DOMAINS}
+    for domain, rows in selection.items():
+        assert len(rows) == 1 and rows[0]["prompt"] not in {row["prompt"] for row in measured[domain]}
+
+    import adaflash_hf.training
+
+    seen, measure = [], adaflash_hf.training.measure_acceptance
+
+    def counted(target, drafter, prompts, **kwargs):
+        seen.append((target.dtype, drafter.training, len(prompts)))
+        return measure(target, drafter, prompts, **kwargs)
+
+    monkeypatch.setattr(adaflash_hf.training, "measure_acceptance", counted)
+    recipe.run(dataclasses.replace(config, stages=["train"]))
+    log = json.loads((layout.drafter / "training_log.json").read_text())
+    assert log["selected_by"] == recipe.LOOP_METRIC
+    loop = [entry for entry in log["log_history"] if recipe.LOOP_METRIC in entry]
+    assert [entry["step"] for entry in loop] == [2, 4]
+    for entry in loop:
+        domains = [entry[f"{recipe.LOOP_METRIC}/{domain}"] for domain in selection]
+        assert entry[recipe.LOOP_METRIC] == pytest.approx(sum(domains) / len(domains), abs=1e-3)
+    assert log["best_metric"] == max(entry[recipe.LOOP_METRIC] for entry in loop)
+    # two evaluations, one call per domain each, the drafter in eval mode and the target in float32
+    assert seen == [(torch.float32, False, 1)] * (2 * len(selection))

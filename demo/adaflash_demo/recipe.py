@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from adaflash_hf.chat import render_prompt
 from adaflash_hf.utils import (
@@ -194,6 +195,16 @@ class RecipeConfig:
     # Evaluation
     eval_new_tokens: int = field(default=64, metadata={"help": "New tokens per held-out prompt."})
     eval_prompts_per_domain: int = field(default=16, metadata={"help": "Held-out prompts measured per domain."})
+    select_prompts_per_domain: int = field(
+        default=0,
+        metadata={
+            "help": "Validation prompts per trained domain on which every evaluation also measures acceptance "
+            "through the real loop (`LoopAcceptance`: float32 greedy, the whole block verified, eval_new_tokens new "
+            "tokens), and the best checkpoint is the one with the highest mean over the domains. 0: checkpoints "
+            "are chosen by the trainer's teacher-forced anchor average, which overstates the loop unevenly across "
+            "domains (BENCHMARKS.md section 1)."
+        },
+    )
 
     def __post_init__(self):
         unknown = sorted(set(self.stages) - set(STAGES))
@@ -501,9 +512,77 @@ def _pairs(rows: list[dict]):
     )
 
 
+LOOP_METRIC = "eval_loop_acceptance_length"
+
+
+class LoopAcceptance(TrainerCallback):
+    """A `~transformers.TrainerCallback` that measures, at every evaluation, the drafter's acceptance on held-out
+    prompts through the real loop (`heldout_acceptance`: ``target.generate(assistant_model=drafter)``, float32
+    greedy, the whole block verified) and adds it to the evaluation's metrics before the trainer compares
+    checkpoints, so that ``metric_for_best_model=LOOP_METRIC`` keeps the checkpoint the loop prefers.
+
+    The trainer's own ``eval_acceptance_length`` averages blocks at anchors drawn uniformly over the answers, which the
+    loop, jumping over what it accepts, does not (BENCHMARKS.md section 1): it overstates easy domains most, so it
+    can prefer a checkpoint that gained where the loop spends few steps. The callback must come before
+    `~transformers.EarlyStoppingCallback`, which reads the same metric.
+
+    Args:
+        prompts (`dict[str, list[dict]]`): the prompts measured, by domain (rows with a ``"prompt"``).
+        new_tokens (`int`): new tokens per prompt.
+        load_target (callable): returns ``(target, tokenizer)`` in float32; called at the first evaluation.
+    """
+
+    def __init__(self, prompts: dict[str, list[dict]], new_tokens: int, load_target):
+        self.prompts = prompts
+        self.new_tokens = new_tokens
+        self._load_target = load_target
+        self._target = None
+
+    def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
+        from adaflash_hf.training import measure_acceptance
+
+        if self._target is None:
+            self._target = self._load_target()
+        target, tokenizer = self._target
+        training = model.training
+        model.eval()
+        values = {}
+        try:
+            for domain, rows in self.prompts.items():
+                stats = measure_acceptance(
+                    target,
+                    model,
+                    [render_prompt(tokenizer, row["prompt"], tokenize=True) for row in rows],
+                    max_new_tokens=self.new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    batch_size=8,
+                )
+                values[f"{LOOP_METRIC}/{domain}"] = round(stats.mean_acceptance_length, 4)
+        finally:
+            model.train(training)
+        values[LOOP_METRIC] = round(sum(values.values()) / len(values), 4)
+        metrics.update(values)
+        # The trainer logged its metrics before calling back; these join the history beside them.
+        state.log_history.append({**values, "step": state.global_step})
+        print(f"loop acceptance at step {state.global_step}: {values}", flush=True)
+        return control
+
+
+def selection_prompts(layout: Layout, config: RecipeConfig) -> dict[str, list[dict]]:
+    """The first ``select_prompts_per_domain`` validation prompts of each trained domain (never the measured
+    ones: `validation_prompts`)."""
+    rows = validation_prompts(layout, config)
+    return {
+        domain: [row for row in rows if row["domain"] == domain][: config.select_prompts_per_domain]
+        for domain in trained_domains(layout)
+    }
+
+
 def stage_train(config: RecipeConfig, layout: Layout) -> None:
-    """OPD on the target's answers, evaluated every ``save_steps`` on held-out answers; stops when the held-out
-    (teacher-forced) acceptance length has not risen for three evaluations, and keeps the best checkpoint."""
+    """OPD on the target's answers, evaluated every ``save_steps`` on held-out answers (and, with
+    ``select_prompts_per_domain``, through the real loop on validation prompts: `LoopAcceptance`); stops when the
+    selection metric has not risen for three evaluations, and keeps the best checkpoint."""
     if (layout.drafter / "config.json").exists():
         return
     from transformers import EarlyStoppingCallback
@@ -540,11 +619,14 @@ def stage_train(config: RecipeConfig, layout: Layout) -> None:
         save_steps=config.save_steps,
         save_total_limit=2,
         load_best_model_at_end=True,
-        metric_for_best_model="eval_acceptance_length",
+        metric_for_best_model=LOOP_METRIC if config.select_prompts_per_domain else "eval_acceptance_length",
         greater_is_better=True,
         report_to=[],
         seed=config.seed,
     )
+    selection = []
+    if config.select_prompts_per_domain:
+        selection = [LoopAcceptance(selection_prompts(layout, config), config.eval_new_tokens, load_target)]
     trainer = OPDTrainer(
         model=drafter,
         teacher_model=target,
@@ -552,7 +634,7 @@ def stage_train(config: RecipeConfig, layout: Layout) -> None:
         train_dataset=_pairs(load_answers(layout, shards=config.answer_shards)),
         eval_dataset=_pairs(load_answers(layout, "validation")),
         processing_class=tokenizer,
-        callbacks=[EarlyStoppingCallback(early_stopping_patience=3)],
+        callbacks=selection + [EarlyStoppingCallback(early_stopping_patience=3)],
     )
     last = get_last_checkpoint(str(layout.trainer)) if layout.trainer.exists() else None
     started = time.perf_counter()
@@ -563,7 +645,8 @@ def stage_train(config: RecipeConfig, layout: Layout) -> None:
         logs = {
             "steps": trainer.state.global_step,
             "best_checkpoint": trainer.state.best_model_checkpoint,
-            "best_eval_acceptance_length": trainer.state.best_metric,
+            "selected_by": args.metric_for_best_model,
+            "best_metric": trainer.state.best_metric,
             "train_seconds_this_run": round(time.perf_counter() - started, 1),
             "log_history": trainer.state.log_history,
             "recipe": asdict(config),
@@ -677,7 +760,7 @@ def stage_ship(config: RecipeConfig, layout: Layout) -> None:
             "recipe": asdict(config),
             "answers": _answer_counts(layout, config),
             "draft_vocab": _draft_vocab_report(layout, drafter.config.draft_vocab),
-            "training": {key: training[key] for key in ("steps", "best_checkpoint", "best_eval_acceptance_length")},
+            "training": {key: training.get(key) for key in ("steps", "best_checkpoint", "selected_by", "best_metric")},
             "heldout": evaluation,
         }
         (staging / "report.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -58,6 +58,8 @@ def variant_config(name: str, args) -> recipe.RecipeConfig:
     }
     argv = ["--config", args.config, "--work_dir", args.work_dir, "--run_name", f"ab-{name}"]
     argv += ["--answer_shards", *map(str, args.shards)]
+    # One evaluation at the end, by the trainer's anchor average; `measure` then runs the loop itself.
+    argv += ["--select_prompts_per_domain", "0"]
     for key, value in overrides.items():
         argv += [f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)])]
     (config,) = recipe.make_parser().parse_args_and_config(argv)
@@ -216,7 +218,7 @@ def main(argv=None) -> None:
             **measure(config, args),
         }
         log = json.loads((layout.drafter / "training_log.json").read_text())
-        result["eval_acceptance_length"] = log["best_eval_acceptance_length"]
+        result["eval_acceptance_length"] = log["best_metric"]
         done = json.loads(out.read_text()) if out.exists() else {}  # another process may have added its variants
         done.setdefault("machine", machine_summary(machine_info()))
         done.setdefault(
