@@ -80,9 +80,9 @@ def test_without_a_file_the_shipped_prompts_are_limited_and_a_user_target_gets_g
         prompts, target, prompts_per_domain = None, None, None
 
     shipped = chosen_prompts(Args, default_per_domain=4)
-    assert list(shipped) == ["code", "docs", "shell", "math", "changelog"]
+    assert list(shipped) == ["chat", "code", "docs", "shell", "math", "changelog"]
     assert {len(texts) for texts in shipped.values()} == {4}
-    assert "prompts: 20 from the shipped held-out prompts" in capsys.readouterr().err
+    assert "prompts: 24 from the shipped held-out prompts" in capsys.readouterr().err
     Args.prompts_per_domain = 100  # never more than the 16 the recipe measured on
     assert {len(texts) for texts in chosen_prompts(Args, default_per_domain=4).values()} == {16}
     Args.target, Args.prompts_per_domain = "some/model", None
@@ -136,6 +136,6 @@ def test_demo_on_the_real_target_is_identical_to_plain_generate(tmp_path, capsys
     printed = capsys.readouterr()
     assert "SmolLM2-135M-Instruct" in printed.err and "smollm2-drafter" in printed.err
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["domain"] for r in records] == ["code", "docs", "shell", "math", "changelog"]
+    assert [r["domain"] for r in records] == ["chat", "code", "docs", "shell", "math", "changelog"]
     assert all(r["identical"] == r["n"] == 1 for r in records)
-    assert "outputs identical to plain generate(): 5/5" in printed.out
+    assert "outputs identical to plain generate(): 6/6" in printed.out

@@ -1,9 +1,10 @@
 """The data and the report of `adaflash-demo demo`: the shipped prompts and streams, the user's prompt files, and
 the per-domain records that compare plain `generate()` with AdaFlash.
 
-The default run serves the shipped held-out prompts of the five domains to SmolLM2-135M-Instruct with the shipped
-drafter. ``--prompts FILE.jsonl`` serves the user's own prompts instead: one JSON object per line with ``prompt``
-(plain text, put through the target's chat template) and optionally ``domain`` (default ``"custom"``).
+The default run serves the shipped held-out prompts of every domain (real chat requests and the five instruction
+domains) to SmolLM2-135M-Instruct with the shipped drafter. ``--prompts FILE.jsonl`` serves the user's own prompts
+instead: one JSON object per line with ``prompt`` (plain text, put through the target's chat template) and
+optionally ``domain`` (default ``"custom"``).
 """
 
 from __future__ import annotations
@@ -37,14 +38,26 @@ def _shipped_rows(path: Path) -> list[dict]:
     return read_jsonl(path)
 
 
+# Real user requests: held-out ShareGPT conversations (md5 of the conversation id, never trained on; the split and
+# the filters in prompts/chat.json), shipped beside the instruction domains.
+CHAT_DOMAIN = "chat"
+
+
+def shipped_domains(data_dir: Path = DRAFTER_DIR) -> tuple[str, ...]:
+    """The domains of the shipped held-out prompts: the chat requests where they ship, then the instruction
+    domains (the unseen changelog last)."""
+    chat = (CHAT_DOMAIN,) if (Path(data_dir) / "prompts" / f"{CHAT_DOMAIN}.heldout.jsonl").exists() else ()
+    return chat + DOMAINS
+
+
 def shipped_prompts(per_domain: int = EVALUATION_PROMPTS, data_dir: Path = DRAFTER_DIR) -> dict[str, list[str]]:
-    """The first ``min(per_domain, EVALUATION_PROMPTS)`` held-out prompts of each domain, as shipped with the
-    drafter."""
+    """The first ``min(per_domain, EVALUATION_PROMPTS)`` held-out prompts of each shipped domain
+    (`shipped_domains`), as shipped with the drafter."""
     return {
         domain: [row["prompt"] for row in _shipped_rows(Path(data_dir) / "prompts" / f"{domain}.heldout.jsonl")][
             : min(per_domain, EVALUATION_PROMPTS)
         ]
-        for domain in DOMAINS
+        for domain in shipped_domains(data_dir)
     }
 
 
