@@ -546,9 +546,18 @@ def test_shape_ab_report_has_a_row_per_variant_with_the_old_domains_mean():
         "draft_in_plain_steps": 0.2,
         "verify_in_plain_steps": 1.8,
     }
-    table = chat_drafter_ab.report({"machine": "m", "slice": {}, "base": row, "block8": row}).splitlines()
-    assert len(table) == 4 and table[2].startswith("| base | 600 (0.90) | 3.00 / 1.50x |")
-    assert "| 2.50 | 0.20 / 1.80 |" in table[3]
+    shipped = {
+        **row,
+        "steps": None,
+        "calibrated_step_s": None,
+        "acceptance": {**row["acceptance"], "changelog": 1.25},
+        "modelled_speedup": {**row["modelled_speedup"], "changelog": 0.5},
+    }
+    results = {"machine": "m", "slice": {}, "base": row, "block8": row, "shipped": shipped}
+    table = chat_drafter_ab.report(results).splitlines()
+    assert len(table) == 5 and table[2].startswith("| base | 600 (0.90) | 3.00 / 1.50x |")
+    assert "| - | 2.50 | 0.20 / 1.80 |" in table[3]  # no changelog measured
+    assert table[4].startswith("| shipped | - | 3.00 / 1.50x |") and "| 1.25 / 0.50x | 2.50 |" in table[4]
 
 
 def test_checkpoints_are_chosen_by_the_loops_acceptance_on_validation_prompts(chat_build, monkeypatch, word_tokenizer):

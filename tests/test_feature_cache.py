@@ -73,6 +73,27 @@ def test_fill_shares_the_work_between_workers_and_skips_what_is_stored(target, t
     assert len(list(tmp_path.glob("*/*.safetensors"))) == 6
 
 
+def test_fill_skips_what_another_process_stored_while_it_ran(target, tokenizer, tmp_path, monkeypatch):
+    """Two processes over the same sequences (one restarted with other worker settings) never compute one twice:
+    each batch looks again at what is stored."""
+    prompt_ids, completions = _pairs(target, tokenizer, count=6)
+    sequences = [p + c for p, c in zip(prompt_ids, completions)]
+    cache, other = FeatureCache(tmp_path, target, [0, 1]), FeatureCache(tmp_path, target, [0, 1])
+    longest = sorted(sequences, key=len)[-2:]  # the last batch this process would compute
+    computed, features = [], cache.features
+
+    def features_then_the_other_process(input_ids, attention_mask):
+        computed.append(input_ids.shape[0])
+        out = features(input_ids, attention_mask)
+        if len(computed) == 1:  # meanwhile, the other process stores the longest two
+            other.fill(longest, batch_size=2)
+        return out
+
+    monkeypatch.setattr(cache, "features", features_then_the_other_process)
+    assert cache.fill(sequences, batch_size=2) == 4 and computed == [2, 2]
+    assert len(list(tmp_path.glob("*/*.safetensors"))) == 6
+
+
 @pytest.mark.parametrize("reduced_vocab", [False, True])
 def test_a_run_with_the_cache_trains_exactly_as_one_without_and_later_epochs_skip_the_target(
     target, tokenizer, tmp_path, monkeypatch, reduced_vocab

@@ -160,12 +160,21 @@ class FeatureCache:
 
     def fill(self, sequences: list[list[int]], batch_size: int = 8, worker: int = 0, num_workers: int = 1) -> int:
         """Stores the features of every sequence not yet stored (``worker`` of ``num_workers`` takes every
-        ``num_workers``-th one, so processes can share the work); returns how many it computed."""
+        ``num_workers``-th one, so processes can share the work); returns how many it computed. Each batch skips
+        what another process stored meanwhile, so processes started over overlapping sequences share them too."""
+
+        def stored(ids) -> bool:
+            return self.path(self.key(torch.tensor(ids))).exists()
+
         todo = [ids for index, ids in enumerate(sequences) if index % num_workers == worker]
-        todo = sorted((ids for ids in todo if not self.path(self.key(torch.tensor(ids))).exists()), key=len)
+        todo = sorted((ids for ids in todo if not stored(ids)), key=len)
         device = next(self.target.parameters()).device
+        computed = 0
         for start in range(0, len(todo), batch_size):  # similar lengths together: little padding to compute
-            batch = todo[start : start + batch_size]
+            batch = [ids for ids in todo[start : start + batch_size] if not stored(ids)]
+            if not batch:
+                continue
+            computed += len(batch)
             width = max(map(len, batch))
             input_ids = torch.zeros((len(batch), width), dtype=torch.long)
             attention_mask = torch.zeros_like(input_ids)
@@ -173,7 +182,7 @@ class FeatureCache:
                 input_ids[row, : len(ids)] = torch.tensor(ids)
                 attention_mask[row, : len(ids)] = 1
             self.features(input_ids.to(device), attention_mask.to(device))
-        return len(todo)
+        return computed
 
     def _write(self, key: str, tensors: dict[str, torch.Tensor]):
         tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}

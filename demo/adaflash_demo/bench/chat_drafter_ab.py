@@ -47,8 +47,13 @@ VARIANTS: dict[str, dict] = {
     "anchors32": {"num_anchors": 32},
     "ce": {"loss_type": "ce"},
     "dflash2": {"drafter_type": "dflash2", "draft_vocab_size": 0},
+    "shipped": {},
 }
 OLD_DOMAINS = ("code", "docs", "shell", "math")
+UNSEEN_DOMAIN = "changelog"
+# `shipped` trains nothing: it measures the drafter the demo ships, for a side-by-side with the variants.
+SHIPPED_DRAFTER = Path(__file__).parents[1] / "data" / "smollm2-drafter" / "drafter"
+CURVE_KEYS = ("eval_acceptance_length", "eval_step_acceptance_length", recipe.LOOP_METRIC)
 
 
 def variant_config(name: str, args) -> recipe.RecipeConfig:
@@ -56,10 +61,18 @@ def variant_config(name: str, args) -> recipe.RecipeConfig:
         key: value.format(work=args.work_dir) if isinstance(value, str) else value
         for key, value in VARIANTS[name].items()
     }
-    argv = ["--config", args.config, "--work_dir", args.work_dir, "--run_name", f"ab-{name}"]
+    argv = [
+        "--config",
+        args.config,
+        "--work_dir",
+        args.work_dir,
+        "--run_name",
+        f"{getattr(args, 'run_prefix', 'ab')}-{name}",
+    ]
     argv += ["--answer_shards", *map(str, args.shards)]
-    # One evaluation at the end, by the trainer's anchor average; `measure` then runs the loop itself.
-    argv += ["--select_prompts_per_domain", "0"]
+    # By default checkpoints are chosen by the trainer's anchor average (one evaluation, at the end), and `measure`
+    # runs the loop itself; a longer run can evaluate through the loop along the way (`--select_prompts`).
+    argv += ["--select_prompts_per_domain", str(getattr(args, "select_prompts", 0))]
     for key, value in overrides.items():
         argv += [f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)])]
     (config,) = recipe.make_parser().parse_args_and_config(argv)
@@ -86,8 +99,9 @@ def calibrate(config: recipe.RecipeConfig, steps: int) -> float:
     return statistics.median(times[1:] or times)
 
 
-def measure(config: recipe.RecipeConfig, args) -> dict:
-    """Held-out acceptance (whole block) per domain at batch 8, and step costs at batch 1."""
+def measure(config: recipe.RecipeConfig, args, drafter_dir: Path | None = None) -> dict:
+    """Held-out acceptance (whole block) per domain at batch 8, and step costs at batch 1, of the variant's drafter
+    (or the one in ``drafter_dir``)."""
     from transformers import GenerationConfig
 
     import adaflash_hf
@@ -97,9 +111,10 @@ def measure(config: recipe.RecipeConfig, args) -> dict:
 
     layout = recipe.Layout(config)
     target, tokenizer = load_target()
-    drafter = AdaFlashDrafter.from_pretrained(layout.drafter, dtype=torch.float32).eval()
+    drafter = AdaFlashDrafter.from_pretrained(drafter_dir or layout.drafter, dtype=torch.float32).eval()
     acceptance = {}
-    for domain, count in [("chat", args.chat_prompts)] + [(d, args.old_prompts) for d in OLD_DOMAINS]:
+    counts = [("chat", args.chat_prompts)] + [(d, args.old_prompts) for d in OLD_DOMAINS]
+    for domain, count in counts + [(UNSEEN_DOMAIN, args.old_prompts)]:
         stats = recipe.heldout_acceptance(target, tokenizer, drafter, layout.prompts, domain, count, args.new_tokens)
         acceptance[domain] = round(stats.mean_acceptance_length, 3)
         print(f"  {config.run_name} {domain}: acceptance {acceptance[domain]}", flush=True)
@@ -150,8 +165,9 @@ def measure(config: recipe.RecipeConfig, args) -> dict:
 
 
 def report(results: dict) -> str:
-    """The results as a markdown table: acceptance and modelled speedup per domain, costs in plain steps."""
-    domains = ("chat", *OLD_DOMAINS)
+    """The results as a markdown table: acceptance and modelled speedup per domain (the unseen changelog domain where
+    it was measured), costs in plain steps."""
+    domains = ("chat", *OLD_DOMAINS, UNSEEN_DOMAIN)
     lines = [
         "| variant | steps (s a step) | " + " | ".join(domains) + " | old mean | draft / verify (plain steps) |",
         "|---" * (len(domains) + 4) + "|",
@@ -160,10 +176,11 @@ def report(results: dict) -> str:
         if name in ("machine", "slice"):
             continue
         accepted, modelled = row["acceptance"], row["modelled_speedup"]
-        cells = [f"{accepted[d]:.2f} / {modelled[d]:.2f}x" for d in domains]
+        cells = [f"{accepted[d]:.2f} / {modelled[d]:.2f}x" if d in accepted else "-" for d in domains]
         old = sum(accepted[d] for d in OLD_DOMAINS) / len(OLD_DOMAINS)
+        steps = "-" if row["steps"] is None else f"{row['steps']} ({row['calibrated_step_s']:.2f})"
         lines.append(
-            f"| {name} | {row['steps']} ({row['calibrated_step_s']:.2f}) | " + " | ".join(cells) + f" | {old:.2f} | "
+            f"| {name} | {steps} | " + " | ".join(cells) + f" | {old:.2f} | "
             f"{row['draft_in_plain_steps']:.2f} / {row['verify_in_plain_steps']:.2f} |"
         )
     return "\n".join(lines)
@@ -181,8 +198,19 @@ def main(argv=None) -> None:
         default=[0, 1, 2, 24, 25],
         help="Answer shards trained on (the chat build: 0-23 chat, 24-39 the four old domains).",
     )
+    parser.add_argument("--run_prefix", default="ab", help="Variants train as recipe runs named <prefix>-<variant>.")
     parser.add_argument("--budget_minutes", type=float, default=22.0, help="Training wall-clock per variant.")
     parser.add_argument("--calibration_steps", type=int, default=30)
+    parser.add_argument(
+        "--evaluations", type=int, default=1, help="Evaluations (and checkpoints) spread over each variant's steps."
+    )
+    parser.add_argument(
+        "--select_prompts",
+        type=int,
+        default=0,
+        help="Validation prompts per domain measured through the loop at each evaluation, the best checkpoint "
+        "chosen by their mean (the recipe's select_prompts_per_domain); 0: by the trainer's anchor average.",
+    )
     parser.add_argument("--chat_prompts", type=int, default=16, help="Held-out chat prompts measured.")
     parser.add_argument("--old_prompts", type=int, default=8, help="Held-out prompts measured per old domain.")
     parser.add_argument("--cost_prompts", type=int, default=3, help="Chat prompts the batch-1 costs are timed on.")
@@ -202,10 +230,15 @@ def main(argv=None) -> None:
             continue
         config = variant_config(name, args)
         layout = recipe.Layout(config)
+        if name == "shipped":
+            result = {"overrides": {}, "calibrated_step_s": None, "steps": None, "train_s": None}
+            _save(out, name, {**result, **measure(config, args, SHIPPED_DRAFTER)}, args)
+            continue
         recipe.stage_features(config, layout)
         step_s = calibrate(config, args.calibration_steps)
         steps = max(10, int(args.budget_minutes * 60 / step_s))
-        config.max_steps, config.save_steps, config.warmup_steps = steps, steps, max(1, steps // 10)
+        evaluations = max(1, min(args.evaluations, steps))
+        config.max_steps, config.save_steps, config.warmup_steps = steps, steps // evaluations, max(1, steps // 10)
         print(f"{name}: {step_s:.3f} s a step here, {steps} steps in {args.budget_minutes} min", flush=True)
         started = time.perf_counter()
         recipe.stage_train(config, layout)
@@ -218,22 +251,36 @@ def main(argv=None) -> None:
             **measure(config, args),
         }
         log = json.loads((layout.drafter / "training_log.json").read_text())
-        result["eval_acceptance_length"] = log["best_metric"]
-        done = json.loads(out.read_text()) if out.exists() else {}  # another process may have added its variants
-        done.setdefault("machine", machine_summary(machine_info()))
-        done.setdefault(
-            "slice",
-            {
-                "shards": args.shards,
-                "budget_minutes": args.budget_minutes,
-                "new_tokens": args.new_tokens,
-                "chat_prompts": args.chat_prompts,
-                "old_prompts": args.old_prompts,
-            },
-        )
-        done[name] = result
-        write_json_atomic(out, done, indent=1)
-        print(f"{name}: {json.dumps(result)}", flush=True)
+        result["selected_by"], result["best_metric"] = log["selected_by"], log["best_metric"]
+        result["best_checkpoint"] = log["best_checkpoint"]
+        # the evaluations along the way: the trainer's anchor average and, with --select_prompts, the loop's
+        result["curve"] = [
+            {key: value for key, value in entry.items() if key == "step" or key.startswith(CURVE_KEYS)}
+            for entry in log["log_history"]
+            if any(key.startswith(CURVE_KEYS) for key in entry)
+        ]
+        _save(out, name, result, args)
+
+
+def _save(out: Path, name: str, result: dict, args) -> None:
+    """Adds one variant's result to ``out`` (atomically: another process may have added its variants)."""
+    done = json.loads(out.read_text()) if out.exists() else {}
+    done.setdefault("machine", machine_summary(machine_info()))
+    done.setdefault(
+        "slice",
+        {
+            "shards": args.shards,
+            "budget_minutes": args.budget_minutes,
+            "evaluations": args.evaluations,
+            "select_prompts": args.select_prompts,
+            "new_tokens": args.new_tokens,
+            "chat_prompts": args.chat_prompts,
+            "old_prompts": args.old_prompts,
+        },
+    )
+    done[name] = result
+    write_json_atomic(out, done, indent=1)
+    print(f"{name}: {json.dumps(result)}", flush=True)
 
 
 if __name__ == "__main__":
