@@ -523,13 +523,23 @@ def test_shape_ab_variants_are_valid_runs_of_the_chat_recipe(tmp_path):
     configs = {name: chat_drafter_ab.variant_config(name, namespace) for name in chat_drafter_ab.VARIANTS}
     base = configs["base"]
     assert base.answer_shards == [0, 24] and base.work_dir == str(tmp_path) and base.run_name == "ab-base"
+    # the recipe as a variant without overrides runs it (`shipped` trains nothing, so it has none)
+    plain = configs["shipped"]
+    assert chat_drafter_ab.VARIANTS["shipped"] == {}
     for name, config in configs.items():
+        overrides = chat_drafter_ab.VARIANTS[name]
         changed = {
             field.name
             for field in dataclasses.fields(config)
-            if getattr(config, field.name) != getattr(base, field.name) and field.name != "run_name"
+            if getattr(config, field.name) != getattr(plain, field.name) and field.name != "run_name"
         }
-        assert changed == set(chat_drafter_ab.VARIANTS[name]), name
+        # each variant changes exactly the recipe settings it names and sets them as named
+        assert changed == {key for key in overrides if getattr(plain, key) != getattr(config, key)}, name
+        assert changed <= set(overrides), name
+        for key, value in overrides.items():
+            assert getattr(config, key) == (value.format(work=tmp_path) if isinstance(value, str) else value), name
+    # the A/B set the recipe to block 8 (BENCHMARKS.md section 1d); `base` keeps the shipped drafter's block 16
+    assert (plain.block_size, base.block_size, configs["block8"].block_size) == (8, 16, 8)
     assert recipe.Layout(configs["taps6"]).features == tmp_path / "features-taps6"
     assert configs["taps6"].target_layer_ids == [1, 6, 11, 17, 22, 27]
 

@@ -239,10 +239,10 @@ def test_with_a_drafter_that_never_agrees_probes_verify_nothing_and_back_off(len
     planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=length_head)
     history = _drive(planner, 200, agrees=lambda step: False, costs=costs)
     probes = [i for i, (drafted, _) in enumerate(history) if drafted]
-    # a new call probes first; the last call's acceptance (0.5) may still make a few early steps draft, after which
-    # nothing but anchors is verified
+    # a new call probes first (once the budget allows); the last call's acceptance (0.5) may still make a few steps
+    # right after it draft, after which nothing but anchors is verified
     drafted = [i for i, (_, width) in enumerate(history) if width > 1]
-    assert len(drafted) <= 3 and all(i < 20 for i in drafted)
+    assert len(drafted) <= 3 and all(i <= probes[0] + 5 for i in drafted)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes and gaps[-1] > gaps[1]  # ever rarer
     # and never closer than keeps a draft of a fifth of a plain step within the budget (after the call's first)

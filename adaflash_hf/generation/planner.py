@@ -26,7 +26,7 @@ drafts would save nothing. Wider widths are measured one at a time: when a draft
 never measured, the step runs at that next width instead (once per width, pair and process). While plain steps win,
 no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval doubles (up
 to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the probes'
-cost within `PROBE_BUDGET` (2%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs its
+cost within `PROBE_BUDGET` (1%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs its
 draft and the drafter's reading of the context queued since the last draft (`CostTable.probe_s`, apart from a
 drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1, and at batch 8 a call's first
 probe, which reads the whole prompt, more than a whole one (BENCHMARKS.md section 18).
@@ -104,8 +104,9 @@ PROBE_WIDTH = 2
 MAX_PROBE_INTERVAL = 256
 # The most that probes may add to the time of plain steps: a probe is one draft, whose cost relative to a plain step
 # grows with the batch (BENCHMARKS.md section 17), so the plain steps between probes are at least the draft's cost
-# over this share of a plain step's.
-PROBE_BUDGET = 0.02
+# over this share of a plain step's. Half of the 2% that a drafter which never agrees may cost in all: the loop's own
+# work beside a plain forward takes the other half (BENCHMARKS.md section 20: 0.6% of a step on an AVX2-only core).
+PROBE_BUDGET = 0.01
 CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 
 

@@ -36,17 +36,18 @@ from adaflash_hf.utils import write_json_atomic
 from .. import recipe
 
 CONFIG = "demo/recipes/smollm2-chat-drafter.yaml"
-# The variants against the current drafter's shape (`base`: 2 layers, target layers [1, 10, 19, 27], block 16, OPD,
-# 16 anchors a sequence, an 8,192-token draft vocabulary). Six target layers spread as DFlash spreads them
+# The variants against the shipped drafter's shape (`base`: 2 layers, target layers [1, 10, 19, 27], block 16, OPD,
+# 16 anchors a sequence, an 8,192-token draft vocabulary), each a change of the recipe's settings (which the A/B set
+# to block 8, BENCHMARKS.md section 1d). Six target layers spread as DFlash spreads them
 # (`build_target_layer_ids(30, 6)`); DFlash 2 drafts over the whole vocabulary.
 VARIANTS: dict[str, dict] = {
-    "base": {},
-    "layers3": {"num_hidden_layers": 3},
-    "taps6": {"target_layer_ids": [1, 6, 11, 17, 22, 27], "features_dir": "{work}/features-taps6"},
+    "base": {"block_size": 16},
+    "layers3": {"block_size": 16, "num_hidden_layers": 3},
+    "taps6": {"block_size": 16, "target_layer_ids": [1, 6, 11, 17, 22, 27], "features_dir": "{work}/features-taps6"},
     "block8": {"block_size": 8},
-    "anchors32": {"num_anchors": 32},
-    "ce": {"loss_type": "ce"},
-    "dflash2": {"drafter_type": "dflash2", "draft_vocab_size": 0},
+    "anchors32": {"block_size": 16, "num_anchors": 32},
+    "ce": {"block_size": 16, "loss_type": "ce"},
+    "dflash2": {"block_size": 16, "drafter_type": "dflash2", "draft_vocab_size": 0},
     "shipped": {},
 }
 OLD_DOMAINS = ("code", "docs", "shell", "math")
