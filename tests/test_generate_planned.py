@@ -250,6 +250,27 @@ def test_with_a_drafter_that_never_agrees_probes_verify_nothing_and_back_off(len
     assert len(probes) <= 7  # the drafter's cost over 200 steps is under 1%
 
 
+@pytest.mark.parametrize("length_head", [False, True])
+def test_one_lucky_probe_does_not_start_drafting_where_the_acceptance_it_shows_cannot_pay(length_head):
+    # a Zen 1 core's prices (BENCHMARKS.md section 20): a drafted step of width 2 costs 1.75 plain steps, of width 4
+    # 1.9, the whole block 3.3; drafts are accepted with probability 0.45 (the code domain's)
+    costs = {(1, 1): 1.0, (1, 2): 1.75, (1, 4): 1.9, (1, 16): 3.3}
+
+    def probe(committed):
+        table = CostTable(step_s=dict(costs), draft_s={1: 0.3}, probe_s={1: 0.3}, acceptance=0.45)
+        planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=length_head)
+        planner._shadows = {0: [[7] * 15, 0, False, False]}  # a probe's block of 15 drafts of token 7
+        planner.score_shadows([0], [committed])
+        return planner
+
+    # one draft matched, then refuted: its block alone would have paid for a width-2 step (2 tokens for 1.75 plain
+    # steps), which is what used to start drafting; drafts accepted with probability about 0.47 do not pay here
+    lucky = probe([7, 8])
+    assert not lucky._promoted and not lucky._shadows and lucky._evidence  # resolved: scored, and drafting waits
+    # six matched drafts are evidence of an acceptance that pays at width 4 and above
+    assert probe([7] * 6 + [8])._promoted
+
+
 def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step():
     # at batch 8 a draft can cost as much as a plain step: the back-off alone (4, 8, 16 steps) would spend a tenth
     # of the time on probes

@@ -37,12 +37,13 @@ drafts before the first disagreement are exactly what verifying the block would 
 (under sampling, agreement with the target's own samples, ``sum_x p(x) q(x)``, is a lower bound of speculative
 sampling's ``sum_x min(p(x), q(x))``, so the estimate errs towards plain steps). A probe thus costs one draft, a
 fraction of a plain step, instead of a verification. Drafting resumes (a real drafted step, which measures the cost of
-its width) only when the probe shows that its block would have paid even at the cheapest cost a drafted step can
-have (a plain step plus the measured draft: `shadow_gain`). A new call knows nothing of its own prompts, so its first
-decision is a probe where drafting paid lately at its row count; elsewhere the call's first probe waits until the
-plain steps since the last one, counted across calls (`CostTable.idle_steps`), keep it within the budget
-(`_first_probe_due`). With a drafter that never agrees, the loop verifies nothing but anchors after the first step,
-and drafts once per probe interval.
+its width) only when the acceptance that the probe's block shows, as evidence beside the call's earlier observations
+(one block is one sample, and lucky ones come by), makes drafting pay at the drafted steps' measured costs (before
+any was measured, at the cheapest a drafted step can cost: a plain step plus the measured draft; `shadow_gain`).
+A new call knows nothing of its own prompts, so its first decision is a probe where drafting paid lately at its row
+count; elsewhere the call's first probe waits until the plain steps since the last one, counted across calls
+(`CostTable.idle_steps`), keep it within the budget (`_first_probe_due`). With a drafter that never agrees, the loop
+verifies nothing but anchors after the first step, and drafts once per probe interval.
 
 **With a length head** (a drafter that has AdaFlash's head), the head reads each drafted block and predicts how many of
 its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot. The step
@@ -361,7 +362,8 @@ class VerificationPlanner:
         self._trial = False
         self._shadow_now = False  # this step is a probe: the drafter drafts, the target verifies the anchor only
         self._shadow_drafted = False  # and the drafter did draft (no row's budget left room: a plain step)
-        self._shadows: dict[int, list] = {}  # row -> [its probe's drafts, drafts matched so far, resolved]
+        # row -> [its probe's drafts, drafts matched so far, resolved, refuted (a committed token disagreed)]
+        self._shadows: dict[int, list] = {}
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
         self._probes = 0  # probes this call
         # row count -> [committed tokens, seconds] of this call's drafted steps (`_draft_or_plain`)
@@ -409,7 +411,7 @@ class VerificationPlanner:
         if self._shadow_now:  # a probe: keep the drafts to score, verify none
             self._shadow_drafted = True
             for slot, row in enumerate(rows):
-                self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False]
+                self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False, False]
             return torch.zeros_like(drafts.num_drafts)
         if self.length_head and drafts.length_prediction is not None:
             return self.refine(rows, drafts.length_prediction, drafts.num_drafts)
@@ -615,45 +617,59 @@ class VerificationPlanner:
         of ``rows``); resolves the probe once every row disagreed, matched its whole block or left the batch."""
         present = dict(zip(rows, committed))
         for row, shadow in self._shadows.items():
-            drafts, matched, resolved = shadow
+            drafts, matched, resolved, _ = shadow
             if resolved:
                 continue
             if row not in present:  # the row finished
                 shadow[2] = True
                 continue
             matched, refuted = match_committed(drafts, matched, present[row])
-            shadow[1] = matched
+            shadow[1], shadow[3] = matched, refuted
             if refuted or matched == len(drafts):
                 shadow[2] = True
         gain = self.shadow_gain()
         if gain is not None and gain > 1.0:
             self._promoted = True  # the block would have paid, even if no more of it matches
-        elif all(resolved for _, _, resolved in self._shadows.values()):
+        elif all(resolved for _, _, resolved, _ in self._shadows.values()):
             self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
         else:
             return
         self._evidence = True
         if not self.length_head:  # the geometric model's observations: accepted drafts, then one rejection
-            for row, (drafts, matched, resolved) in self._shadows.items():
+            for row, (drafts, matched, _, refuted) in self._shadows.items():
                 if drafts:  # a row still matching when the probe ended early has seen no rejection yet
                     self.successes[row] += matched
-                    self.trials[row] += matched + (resolved and matched < len(drafts))
+                    self.trials[row] += matched + refuted
         self._shadows = {}
 
     def shadow_gain(self) -> float | None:
-        """How much faster than plain steps verifying the probe's blocks would have committed their matched drafts,
-        at the best width and the cheapest cost a drafted step of that width can have (the measured cost when the
-        width was measured, else a plain step plus the measured draft); ``None`` before anything can be said."""
+        """How much faster than plain steps a drafted step is expected to commit tokens after this probe, at the
+        best width, each width at what the table says it costs (`CostTable.cost`: measured, interpolated between
+        measured widths, bounded above beyond them) or, before any drafted step was measured, at the cheapest a
+        drafted step can cost (a plain step plus the measured draft); ``None`` before anything can be said.
+
+        The expectation is the geometric model's (`expected_committed`), each row's ``p`` estimated from the
+        probe's matched drafts and its rejection (if one came yet) with the row's earlier observations, shrunk
+        towards the pooled estimate like `acceptance`. One probe's block is one sample: promoting on its matched
+        count as it stands would start drafting on every lucky block, and where a draft is accepted with
+        probability 0.45 half of all probes match one draft or more, which pays for a step of 1.75 plain steps,
+        while drafting there commits 1.45 tokens per such step (BENCHMARKS.md section 20)."""
         rows = len(self._shadows)
         plain, draft = self.table.cost(rows, 1), self.table.draft(rows)
         if plain is None or draft is None:
             return None
-        matched = [m for _, m, _ in self._shadows.values()]
-        longest = max(len(d) for d, _, _ in self._shadows.values())
+        pooled = (self.successes.sum() + PRIOR_WEIGHT * self.table.acceptance) / (self.trials.sum() + PRIOR_WEIGHT)
+        index = torch.tensor(list(self._shadows), dtype=torch.long)
+        matched = torch.tensor([m for _, m, _, _ in self._shadows.values()], dtype=torch.float64)
+        refuted = torch.tensor([float(r) for _, _, _, r in self._shadows.values()], dtype=torch.float64)
+        own_s, own_t = self.successes[index] + matched, self.trials[index] + matched + refuted
+        p = ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+        longest = max(len(d) for d, _, _, _ in self._shadows.values())
+        committed = (p[:, None] ** torch.arange(longest + 1, dtype=torch.float64)).sum(0).cumsum(0).tolist()
         best = 0.0
         for width in range(2, longest + 2):
-            cost = self.table.cost(rows, width) if self.table.measured(width) else plain + draft
-            best = max(best, sum(1 + min(m, width - 1) for m in matched) / cost)
+            cost = self.table.cost(rows, width)
+            best = max(best, committed[width - 1] / (plain + draft if cost is None else cost))
         return best / (rows / plain)
 
     def refine(
