@@ -256,7 +256,7 @@ def test_one_lucky_probe_does_not_start_drafting_where_the_acceptance_it_shows_c
     # 1.9, the whole block 3.3; drafts are accepted with probability 0.45 (the code domain's)
     costs = {(1, 1): 1.0, (1, 2): 1.75, (1, 4): 1.9, (1, 16): 3.3}
 
-    def probe(committed):
+    def probe(committed, costs=costs):
         table = CostTable(step_s=dict(costs), draft_s={1: 0.3}, probe_s={1: 0.3}, acceptance=0.45)
         planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=length_head)
         planner._shadows = {0: [[7] * 15, 0, False, False]}  # a probe's block of 15 drafts of token 7
@@ -269,6 +269,10 @@ def test_one_lucky_probe_does_not_start_drafting_where_the_acceptance_it_shows_c
     assert not lucky._promoted and not lucky._shadows and lucky._evidence  # resolved: scored, and drafting waits
     # six matched drafts are evidence of an acceptance that pays at width 4 and above
     assert probe([7] * 6 + [8])._promoted
+    # where a drafted step of width 2 costs 1.2 plain steps, the prior's acceptance (0.5) would pay on its own: a
+    # block that matched nothing still does not start drafting, one that matched a draft does
+    cheap = {(1, 1): 1.0, (1, 2): 1.2, (1, 16): 2.0}
+    assert not probe([8], costs=cheap)._promoted and probe([7, 8], costs=cheap)._promoted
 
 
 def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step():

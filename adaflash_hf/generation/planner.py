@@ -643,29 +643,34 @@ class VerificationPlanner:
         self._shadows = {}
 
     def shadow_gain(self) -> float | None:
-        """How much faster than plain steps a drafted step is expected to commit tokens after this probe, at the
-        best width, each width at what the table says it costs (`CostTable.cost`: measured, interpolated between
-        measured widths, bounded above beyond them) or, before any drafted step was measured, at the cheapest a
-        drafted step can cost (a plain step plus the measured draft); ``None`` before anything can be said.
+        """How much faster than plain steps a drafted step would commit tokens after this probe, at the best width,
+        each width at what the table says it costs (`CostTable.cost`: measured, interpolated between measured widths,
+        bounded above beyond them) or, before any drafted step was measured, at the cheapest a drafted step can cost
+        (a plain step plus the measured draft); ``None`` before anything can be said.
 
-        The expectation is the geometric model's (`expected_committed`), each row's ``p`` estimated from the
-        probe's matched drafts and its rejection (if one came yet) with the row's earlier observations, shrunk
-        towards the pooled estimate like `acceptance`. One probe's block is one sample: promoting on its matched
-        count as it stands would start drafting on every lucky block, and where a draft is accepted with
-        probability 0.45 half of all probes match one draft or more, which pays for a step of 1.75 plain steps,
-        while drafting there commits 1.45 tokens per such step (BENCHMARKS.md section 20)."""
+        A width's tokens are the fewer of what the probe's block would have committed and what the geometric model
+        expects (`expected_committed`) with each row's ``p`` estimated from the probe's matched drafts and its
+        rejection (if one came yet) beside the call's earlier observations, shrunk towards `PRIOR_ACCEPTANCE` (the
+        last call's acceptance says little about this one's content). One block is one sample: promoting on what it
+        matched alone would start drafting on every lucky block (where a draft is accepted with probability 0.45,
+        half of all probes match one draft or more, which pays for a step of 1.75 plain steps, while drafting there
+        commits 1.45 tokens per such step: BENCHMARKS.md section 20); and the estimate alone, with its prior, could
+        start drafting on a block that matched nothing."""
         rows = len(self._shadows)
         plain, draft = self.table.cost(rows, 1), self.table.draft(rows)
         if plain is None or draft is None:
             return None
-        pooled = (self.successes.sum() + PRIOR_WEIGHT * self.table.acceptance) / (self.trials.sum() + PRIOR_WEIGHT)
+        pooled = (self.successes.sum() + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self.trials.sum() + PRIOR_WEIGHT)
         index = torch.tensor(list(self._shadows), dtype=torch.long)
         matched = torch.tensor([m for _, m, _, _ in self._shadows.values()], dtype=torch.float64)
         refuted = torch.tensor([float(r) for _, _, _, r in self._shadows.values()], dtype=torch.float64)
         own_s, own_t = self.successes[index] + matched, self.trials[index] + matched + refuted
         p = ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
         longest = max(len(d) for d, _, _, _ in self._shadows.values())
-        committed = (p[:, None] ** torch.arange(longest + 1, dtype=torch.float64)).sum(0).cumsum(0).tolist()
+        steps = torch.arange(longest + 1, dtype=torch.float64)
+        expected = (p[:, None] ** steps).cumsum(1)  # [rows, w - 1]: expected tokens at width w
+        realized = 1 + torch.minimum(matched[:, None], steps)  # what the block would have committed at width w
+        committed = torch.minimum(expected, realized).sum(0).tolist()
         best = 0.0
         for width in range(2, longest + 2):
             cost = self.table.cost(rows, width)
