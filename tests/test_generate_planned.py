@@ -250,6 +250,20 @@ def test_with_a_drafter_that_never_agrees_probes_verify_nothing_and_back_off(len
     assert len(probes) <= 7  # the drafter's cost over 200 steps is under 1%
 
 
+def test_a_drafted_step_at_a_new_row_count_is_priced_in_plain_steps_of_that_row_count():
+    # measured: plain steps at 1 and 8 rows, drafted ones at 1 row only (a batch-1 call, then a batch of 8)
+    table = CostTable(step_s={(1, 1): 0.1, (1, 2): 0.15, (1, 4): 0.2, (8, 1): 0.3})
+    # 1.5 and 2 plain steps at 1 row are 1.5 and 2 plain steps at 8 rows, not 0.15 s: below a plain step there
+    assert table.cost(8, 2) == pytest.approx(0.45) and table.cost(8, 4) == pytest.approx(0.6)
+    assert table.cost(8, 3) == pytest.approx(0.525)  # interpolated, then scaled
+    assert table.cost(1, 2) == pytest.approx(0.15) and table.cost(8, 1) == pytest.approx(0.3)
+    # a row count without a plain step of its own borrows the nearest plain step (8 rows) and is scaled by it
+    assert table.cost(5, 1) == pytest.approx(0.3) and table.cost(5, 2) == pytest.approx(0.45)
+    assert CostTable(step_s={(1, 2): 0.15}).cost(8, 2) == pytest.approx(0.15)  # no plain step: nothing to scale by
+    table.step_s[(8, 2)] = 0.5  # once measured, its own cost
+    assert table.cost(8, 2) == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("length_head", [False, True])
 def test_one_lucky_probe_does_not_start_drafting_where_the_acceptance_it_shows_cannot_pay(length_head):
     # a Zen 1 core's prices (BENCHMARKS.md section 20): a drafted step of width 2 costs 1.75 plain steps, of width 4

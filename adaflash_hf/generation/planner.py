@@ -281,9 +281,21 @@ class CostTable:
         (``width > 1``) or plain (``width == 1``) (`_estimate`); ``None`` when none of that kind was measured.
         Beyond the widest measured width, an upper bound, so an unmeasured width is chosen only if it pays even then
         (and `VerificationPlanner.width` measures the next width once drafting wins): in proportion to width (a
-        forward's cost grows sublinearly with width, and a step has fixed costs besides)."""
+        forward's cost grows sublinearly with width, and a step has fixed costs besides).
+
+        A drafted step at a row count where no drafted step was measured borrows the nearest measured row count's
+        drafted cost *in plain steps* of its own row count (each plain step as `cost` prices it): a drafted step at
+        8 rows costs about as many plain steps of 8 rows as one at 1 row costs plain steps of 1 row (more, where the
+        wider forward is arithmetic-bound), while in seconds it costs several times more, and borrowing the seconds
+        would price a drafted step at 8 rows below a plain one (BENCHMARKS.md section 20)."""
         costs = {key: seconds for key, seconds in self.step_s.items() if (key[1] > 1) == (width > 1)}
-        return _estimate(costs, rows, width, beyond=lambda widest, seconds: seconds * width / widest)
+        estimate = _estimate(costs, rows, width, beyond=lambda widest, seconds: seconds * width / widest)
+        measured_rows = {r for r, _ in costs}
+        if width == 1 or estimate is None or rows in measured_rows:
+            return estimate
+        near = min(measured_rows, key=lambda r: (abs(r - rows), r))  # the row count `_estimate` borrowed from
+        plain, plain_near = self.cost(rows, 1), self.cost(near, 1)
+        return estimate if plain is None else estimate * plain / plain_near
 
 
 def _moving(averages: dict[int, float], rows: int, value: float) -> None:
