@@ -641,7 +641,7 @@ class VerificationPlanner:
                 shadow[2] = True
         gain = self.shadow_gain()
         if gain is not None and gain > 1.0:
-            self._promoted = True  # the block would have paid, even if no more of it matches
+            self._promoted = True  # drafting is expected to pay, even if no more of this block matches
         elif all(resolved for _, _, resolved, _ in self._shadows.values()):
             self.table.probe_interval = min(2 * self.table.probe_interval, MAX_PROBE_INTERVAL)
         else:
