@@ -223,7 +223,7 @@ class CostTable:
         """``costs[rows]``, or the nearest measured row count's; ``None`` when empty."""
         if not costs:
             return None
-        return costs[min(costs, key=lambda r: (abs(r - rows), r))]
+        return costs[_nearest_rows(costs, rows)]
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         _moving(self.draft_s, rows, seconds)
@@ -293,9 +293,14 @@ class CostTable:
         measured_rows = {r for r, _ in costs}
         if width == 1 or estimate is None or rows in measured_rows:
             return estimate
-        near = min(measured_rows, key=lambda r: (abs(r - rows), r))  # the row count `_estimate` borrowed from
+        near = _nearest_rows(measured_rows, rows)  # the row count `_estimate` borrowed from
         plain, plain_near = self.cost(rows, 1), self.cost(near, 1)
         return estimate if plain is None else estimate * plain / plain_near
+
+
+def _nearest_rows(counts, rows: int) -> int:
+    """The measured row count (of non-empty ``counts``) nearest to ``rows``, the smaller one on a tie."""
+    return min(counts, key=lambda r: (abs(r - rows), r))
 
 
 def _moving(averages: dict[int, float], rows: int, value: float) -> None:
@@ -314,7 +319,7 @@ def _estimate(costs: dict, rows: int, width: int, beyond) -> float | None:
         return costs[(rows, width)]
     if not costs:
         return None
-    near = min({r for r, _ in costs}, key=lambda r: (abs(r - rows), r))
+    near = _nearest_rows({r for r, _ in costs}, rows)
     return _interpolate(dict(sorted((w, s) for (r, w), s in costs.items() if r == near)), width, beyond)
 
 
