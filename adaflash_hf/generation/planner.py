@@ -69,11 +69,12 @@ what verifying it would accept; under sampling, a deterministic path's token is 
 samples it, so this is speculative sampling's acceptance too), so a call whose paths stopped paying goes on measuring
 them. A step whose drafter is not worth its draft (a plain step, or a long and reliable path) verifies the
 path alone without running the drafter, at the measured cost of such undrafted widths (`CostTable.undrafted_s`).
-Widths the paths add beyond the widest measured one are costed by the tokens their forward verifies (rows x width,
-`CostTable.forward_s`, from every step measured, at least the widest's cost): a width that wins on that estimate is
-run, which measures it, and is then priced by what it cost. At batch 1 that is close to the drafted steps of the same
-width; at batch 32 it is what keeps one row's long path from making every row verify a wide step that no narrower
-width's cost could price.
+A width is priced by the target's forward that width costs at its row count, from every step measured (plain,
+undrafted, drafted less its draft: `CostTable.path_cost`), and the draft where the drafter runs; one token beyond the
+widest measured costs at least the widest's cost (a lower bound: it wins and runs once, which measures it, and is then
+priced by what it cost), wider still in proportion to width (an upper bound), so the paths' widths are explored one
+token at a time: at batch 8 and 32 each token a row verifies costs most of a plain step, and one row's long path
+would otherwise make every row verify a wide step priced as a narrow one.
 Probes stay pure (no paths), so that they time the draft alone.
 
 The planner only chooses how many drafts are verified; acceptance is the usual rule, so outputs stay exact. It is
@@ -173,50 +174,33 @@ class CostTable:
         self._record("undrafted_s", (rows, width), seconds, provisional)
 
     def path_cost(self, rows: int, width: int, drafted: bool) -> float | None:
-        """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`),
-        from the measured steps of its kind (`_estimate`); beyond the widest width of its kind measured, the larger
-        of that width's cost (a lower bound) and what a forward of ``rows x width`` tokens costs by `forward_s` (plus
-        the draft, for a drafted step): at one row the paths' widths are near the measured drafted ones, while at 32
-        rows a path of 8 tokens makes a forward of 288 that no narrower width's cost says anything about. ``None``
-        when nothing of the kind is measured."""
-        if drafted:
-            costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
-        else:  # a plain step is the undrafted width 1
-            costs = {**{key: s for key, s in self.step_s.items() if key[1] == 1}, **self.undrafted_s}
+        """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`):
+        the target's forward at ``(rows, width)`` (`forward_costs`, priced by `_estimate` in plain steps of ``rows``),
+        plus the draft for a ``drafted`` one. Beyond the widest width measured, one token wider costs at least the
+        widest's cost (a lower bound, so the next width is tried once and then priced by what it cost), and wider
+        still in proportion to width (an upper bound: a forward's cost grows sublinearly with its tokens): paths are
+        as long as the context offers, and a step of 11 tokens a row priced at the widest measured step's cost
+        would be tried at once, at batch 8 four plain steps' cost (BENCHMARKS.md section 21). ``None`` before any
+        step."""
 
         def beyond(widest: int, seconds: float) -> float:
-            forward = self.forward_s(rows * width)
-            draft = self.draft(rows) if drafted else 0.0
-            return seconds if forward is None else max(seconds, forward + (draft or 0.0))
+            return seconds if width == widest + 1 else seconds * width / widest
 
-        return _estimate(costs, rows, width, beyond=beyond)
+        forward = _estimate(self.forward_costs(), rows, width, beyond=beyond, plain=self.plain_cost)
+        if forward is None or not drafted:
+            return forward
+        return forward + (self.draft(rows) or 0.0)
 
-    def forward_s(self, tokens: int) -> float | None:
-        """Seconds of a step that verifies ``tokens`` tokens (rows x width) without drafting, by token count alone,
-        from every step measured: plain, undrafted, and drafted less the measured draft (a forward's cost is the
-        weights streamed once plus arithmetic in proportion to its tokens; rows differ only in their attention,
-        small beside it at these contexts). Between measured counts linear; below the smallest its cost; beyond the
-        largest, the line through it and the largest count at most half as large (a span of at least two, so that
-        two neighbouring counts' noise does not set the slope), or, without such a count, the largest's cost (a lower
-        bound: a width that wins on it runs once, and is then measured). ``None`` before any step."""
-        points: dict[int, list[float]] = {}
+    def forward_costs(self) -> dict[tuple[int, int], float]:
+        """Seconds of the target's forward alone, by ``(rows, width)``, from every step measured: plain steps,
+        steps that verified paths without drafting, and drafted steps less their draft where no undrafted step of
+        that key was measured (the forward of a drafted step is the forward an undrafted one of its width runs)."""
+        points = {}
         for (rows, width), seconds in self.step_s.items():
-            draft = self.draft(rows) if width > 1 else 0.0
-            points.setdefault(rows * width, []).append(max(seconds - (draft or 0.0), 0.0))
-        for (rows, width), seconds in self.undrafted_s.items():
-            points.setdefault(rows * width, []).append(seconds)
-        if not points:
-            return None
-        curve = {count: sum(values) / len(values) for count, values in sorted(points.items())}
-
-        def beyond(largest: int, seconds: float) -> float:
-            half = [c for c in curve if c <= largest / 2]
-            if not half:
-                return seconds
-            slope = max((seconds - curve[half[-1]]) / (largest - half[-1]), 0.0)
-            return seconds + slope * (tokens - largest)
-
-        return _interpolate(curve, tokens, beyond)
+            drafted = max(seconds - (self.draft(rows) or 0.0), 0.0)
+            points[(rows, width)] = self.plain_cost(rows) if width == 1 else drafted
+        points.update(self.undrafted_s)
+        return points
 
     @staticmethod
     def _nearest(costs: dict[int, float], rows: int) -> float | None:
@@ -277,25 +261,26 @@ class CostTable:
         return any(w == width for _, w in self.step_s)
 
     def cost(self, rows: int, width: int) -> float | None:
-        """Seconds of a step of ``rows`` rows at ``width``, from the measured steps of its kind, drafted
-        (``width > 1``) or plain (``width == 1``) (`_estimate`); ``None`` when none of that kind was measured.
-        Beyond the widest measured width, an upper bound, so an unmeasured width is chosen only if it pays even then
-        (and `VerificationPlanner.width` measures the next width once drafting wins): in proportion to width (a
-        forward's cost grows sublinearly with width, and a step has fixed costs besides).
+        """Seconds of a step of ``rows`` rows at ``width``: a plain step's (``width == 1``, `plain_cost`), or a
+        drafted step's from the drafted steps measured (`_estimate`, which prices a row count without them in plain
+        steps of its own); ``None`` when none of that kind was measured. Beyond the widest measured width, an upper
+        bound, so an unmeasured width is chosen only if it pays even then (and `VerificationPlanner.width` measures
+        the next width once drafting wins): in proportion to width (a forward's cost grows sublinearly with width,
+        and a step has fixed costs besides)."""
+        if width == 1:
+            return self.plain_cost(rows)
+        costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
+        return _estimate(costs, rows, width, lambda widest, seconds: seconds * width / widest, self.plain_cost)
 
-        A drafted step at a row count where no drafted step was measured borrows the nearest measured row count's
-        drafted cost *in plain steps* of its own row count (each plain step as `cost` prices it): a drafted step at
-        8 rows costs about as many plain steps of 8 rows as one at 1 row costs plain steps of 1 row (more, where the
-        wider forward is arithmetic-bound), while in seconds it costs several times more, and borrowing the seconds
-        would price a drafted step at 8 rows below a plain one (BENCHMARKS.md section 20)."""
-        costs = {key: seconds for key, seconds in self.step_s.items() if (key[1] > 1) == (width > 1)}
-        estimate = _estimate(costs, rows, width, beyond=lambda widest, seconds: seconds * width / widest)
-        measured_rows = {r for r, _ in costs}
-        if width == 1 or estimate is None or rows in measured_rows:
-            return estimate
-        near = _nearest_rows(measured_rows, rows)  # the row count `_estimate` borrowed from
-        plain, plain_near = self.cost(rows, 1), self.cost(near, 1)
-        return estimate if plain is None else estimate * plain / plain_near
+    def plain_cost(self, rows: int) -> float | None:
+        """Seconds of a plain step of ``rows`` rows: its measured cost, or the nearest measured row count's; at most
+        what a plain step of more rows costs: fewer rows never cost more, while a row count that rows reach as they
+        finish is priced from its first step or two, and a plain step priced too dear makes every wider step look
+        good (BENCHMARKS.md section 21). ``None`` before any."""
+        plain = {count: seconds for (count, width), seconds in self.step_s.items() if width == 1}
+        if not plain:
+            return None
+        return min([plain[_nearest_rows(plain, rows)], *(s for count, s in plain.items() if count > rows)])
 
 
 def _nearest_rows(counts, rows: int) -> int:
@@ -309,18 +294,35 @@ def _moving(averages: dict[int, float], rows: int, value: float) -> None:
     averages[rows] = value if old is None else (1 - EMA) * old + EMA * value
 
 
-def _estimate(costs: dict, rows: int, width: int, beyond) -> float | None:
+def _estimate(costs: dict, rows: int, width: int, beyond, plain) -> float | None:
     """A step's seconds at ``(rows, width)`` from measured ``costs`` (``{(rows, width): seconds}``); ``None`` when
-    empty. A row count without measurements borrows the nearest measured row count's (rows leave a batch one by one
-    as they finish; probing each count anew would cost more than the estimate's error); between two measured widths
-    the cost is linear, below the narrowest it is the narrowest's, and beyond the widest ``beyond(widest, its
-    seconds)`` (the caller's bound)."""
+    empty. Within a row count the cost is linear between two measured widths, below the narrowest the narrowest's,
+    and beyond the widest ``beyond(widest, its seconds)`` (the caller's bound). A row count whose measured widths do
+    not reach ``width`` borrows the nearest row count's that do (rows leave a batch one by one as they finish;
+    measuring each count anew would cost more than the estimate's error), or, where none does and it has no
+    measurement of its own, the nearest row count's bound; a borrowed cost is taken *in plain steps* of its own row
+    count (``plain(rows)``: a step of width ``w`` at 8 rows costs about as many plain steps of 8 rows as one at 1 row
+    costs plain steps of 1 row, more where the wider forward is arithmetic-bound, while in seconds it costs several
+    times more: BENCHMARKS.md section 20), and at least the widest step its own row count measured."""
     if (rows, width) in costs:
         return costs[(rows, width)]
-    if not costs:
+    curves: dict[int, dict[int, float]] = {}
+    for (count, w), seconds in sorted(costs.items()):
+        curves.setdefault(count, {})[w] = seconds
+    own = curves.pop(rows, None)
+    if own is not None and max(own) >= width:
+        return _interpolate(own, width, beyond)
+    reaching = [count for count, curve in curves.items() if max(curve) >= width]
+    if not reaching and own is not None:
+        return _interpolate(own, width, beyond)
+    if not curves:
         return None
-    near = _nearest_rows({r for r, _ in costs}, rows)
-    return _interpolate(dict(sorted((w, s) for (r, w), s in costs.items() if r == near)), width, beyond)
+    near = _nearest_rows(reaching or curves, rows)
+    borrowed = _interpolate(curves[near], width, beyond)
+    plain_rows, plain_near = plain(rows), plain(near)
+    if plain_rows is not None and plain_near:
+        borrowed *= plain_rows / plain_near
+    return borrowed if own is None else max(borrowed, own[max(own)])
 
 
 def _interpolate(curve: dict[int, float], x: int, beyond) -> float:
