@@ -558,3 +558,23 @@ def test_prompt_lookup_settings_are_read_and_refused_clearly():
         ),
     )
     assert out[0, len(PROMPTS[0]) :].tolist() == alone(target, PROMPTS[0], max_new_tokens=8)
+
+
+def test_wider_costs_follow_the_plain_steps_cost_of_their_row_count():
+    """A call on long passages steps slower than one on short questions, and a neighbour's burst slows every step for
+    a while: a wider step keeps the price in plain steps it was measured at, so the choice between them does not
+    depend on when each was last measured."""
+    table = CostTable()
+    for _ in range(3):
+        table.observe(8, 1, 0.3)
+        table.observe(1, 1, 0.1)
+    table.observe_undrafted(8, 2, 0.6)
+    table.observe(8, 4, 0.9)
+    table.observe(1, 2, 0.15)
+    for _ in range(3):
+        table.observe(8, 1, 0.4)  # the median moves once three of the last five steps took 0.4 s
+    assert table.cost(8, 1) == pytest.approx(0.4)
+    assert table.undrafted_s[(8, 2)] == pytest.approx(0.8) and table.cost(8, 4) == pytest.approx(1.2)
+    assert table.cost(1, 2) == pytest.approx(0.15)  # another row count's plain step did not move
+    table.observe_undrafted(8, 2, 0.8)  # measured again in the same units: the price holds
+    assert table.undrafted_s[(8, 2)] == pytest.approx(0.8)

@@ -9,10 +9,13 @@ decoding step. Both sides are measured, never assumed:
   the median of the loop's last `COST_WINDOW` steps of its kind (one step slowed by the machine, a page fault or a
   neighbour's burst, must not set a price: a plain step priced too high makes every drafted step look good, and the
   planner then stops stepping plainly, which is what would correct it), and the plain step's cost is trusted once
-  `PLAIN_SAMPLES` steps measured it; an unmeasured width is interpolated linearly between the
-  measured widths of the same ``R``, and bounded from above outside them (wider than the widest: in proportion to
-  width; narrower than the narrowest: its cost), and an unmeasured ``R`` borrows the
-  nearest measured one's costs (rows leave a batch one by one as they finish). The table lives in the pair's
+  `PLAIN_SAMPLES` steps measured it. A wider step's cost is kept in plain steps of its row count: when the plain
+  step's cost moves (a longer context, a slower moment of a shared machine), the wider costs move with it
+  (`CostTable._follow_plain`), so a timing burst that lifts the plain step's price does not make every wider step
+  look good. An unmeasured width is interpolated linearly between the measured widths of the same ``R``, and
+  bounded from above outside them (wider than the widest: in proportion to width; narrower than the narrowest: its
+  cost), and an ``R`` that did not measure a width borrows, in its own plain steps, the nearest row count's that
+  did (rows leave a batch one by one as they finish; `_estimate`). The table lives in the pair's
   `profile.RuntimeProfile`, per device and dtype, so a later ``generate()`` call starts from what earlier ones
   measured.
 * **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
@@ -239,8 +242,29 @@ class CostTable:
         return self._nearest(self.drafted_speedup, rows)
 
     def observe(self, rows: int, width: int, seconds: float, provisional: bool = False) -> None:
-        """Adds a step of ``rows`` rows verifying ``width`` tokens to its cost (`_record`)."""
-        self._record("step_s", (rows, width), seconds, provisional)
+        """Adds a step of ``rows`` rows verifying ``width`` tokens to its cost (`_record`). When a plain step's cost
+        moves, the wider steps' costs at its row count move in proportion (`_follow_plain`)."""
+        key = (rows, width)
+        before = self.step_s.get(key) if width == 1 and ("step_s", key) not in self._provisional else None
+        self._record("step_s", key, seconds, provisional)
+        if before and not provisional and self.step_s[key] != before:
+            self._follow_plain(rows, self.step_s[key] / before)
+
+    def _follow_plain(self, rows: int, factor: float) -> None:
+        """Scales the drafted and undrafted costs at ``rows`` rows, and the steps behind them, by ``factor``: a wider
+        step costs as many plain steps as when it was measured. A step's seconds follow the context's length (a
+        call on long passages steps slower than one on short questions) and the machine's moment (a neighbour's
+        burst on a shared core), and a plain step is measured every few steps while a wider width may not be
+        measured again for many calls; priced in the seconds of its last measurement, a wider step would look cheap
+        beside a plain step of a longer context, or dear beside one of a shorter. In plain steps, the choice between
+        them depends on what was measured of their ratio, not on when each was last measured."""
+        for name in ("step_s", "undrafted_s"):
+            costs = getattr(self, name)
+            for key in [key for key in costs if key[0] == rows and key[1] > 1]:
+                costs[key] *= factor
+                window = self._windows.get((name, key))
+                if window is not None:
+                    self._windows[(name, key)] = deque((s * factor for s in window), maxlen=COST_WINDOW)
 
     def plain_known(self) -> bool:
         """Whether plain steps' costs can be compared with others: `PLAIN_SAMPLES` plain steps timed in this process
