@@ -69,9 +69,16 @@ def test_report_table_and_plots(tmp_path, word_tokenizer):
     table = markdown_table(records)
     assert table.count("\n") == 1 + len(records) and "| adaflash_fixed | 2 | x | float32 |" in table
     summary = summary_tables(records).splitlines()
-    assert summary[0] == "| method | x | mean speedup |" and summary[3].startswith("| plain | ")
+    assert summary[0] == "| method | x | mean speedup | pooled |" and summary[3].startswith("| plain | ")
+    assert summary[3].endswith("| 1.00x | 1.00x |")
     fixed_at_two = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 2)
-    expected = f"| 2 | adaflash_fixed | {fixed_at_two.tokens_per_s:.1f} | {fixed_at_two.speedup:.2f}x |"
+    plain_at_two = next(r for r in records if r.method == "plain" and r.batch_size == 2)
+    pooled = (fixed_at_two.emitted_tokens / fixed_at_two.seconds) / (
+        plain_at_two.emitted_tokens / plain_at_two.seconds
+    )
+    expected = (
+        f"| 2 | adaflash_fixed | {fixed_at_two.tokens_per_s:.1f} | {fixed_at_two.speedup:.2f}x | {pooled:.2f}x |"
+    )
     assert any(line.startswith(expected) for line in summary)
     paths = plot_records(records, tmp_path)
     assert [p.name for p in paths] == ["acceptance_per_domain.png", "throughput_vs_batch.png"]
@@ -204,7 +211,7 @@ def test_a_pooled_batch_size_is_measured_not_reported_as_zero(word_tokenizer):
     assert all(r.tokens_per_s > 0 and r.identical_fraction == 1.0 for r in records)
     assert all(r.emitted_tokens > 0 and not math.isnan(r.speedup) for r in records)
     summary = summary_tables(records)
-    assert summary.splitlines()[0] == "| method | digits | letters | mean speedup |"  # the pool is no batch-1 column
+    assert summary.splitlines()[0] == "| method | digits | letters | mean speedup | pooled |"  # no batch-1 column
     assert "| 4 | adaflash_fixed | " in summary
 
 

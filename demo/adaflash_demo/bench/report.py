@@ -75,37 +75,55 @@ def markdown_table(records) -> str:
 
 def summary_tables(records) -> str:
     """The two summaries of BENCHMARKS.md: batch 1 per domain (tokens/s / speedup / acceptance length, with the
-    mean speedup), and the batch sweep averaged over domains."""
+    mean speedup over domains and the pooled one, `pooled_speedup`), and the batch sweep averaged over domains."""
     # the domains measured at batch 1: a larger batch size's pooled group is no column of it
     domains = sorted({r.domain for r in records if r.batch_size == 1})
     batch_one = defaultdict(dict)
     for r in records:
         if r.batch_size == 1:
             batch_one[r.method][r.domain] = r
-    lines = ["| method | " + " | ".join(domains) + " | mean speedup |", "|" + "---|" * (len(domains) + 2)]
+    lines = ["| method | " + " | ".join(domains) + " | mean speedup | pooled |", "|" + "---|" * (len(domains) + 3)]
     for method, by_domain in sorted(batch_one.items()):
         cells = [_batch_one_cell(by_domain[d]) if d in by_domain else "-" for d in domains]
         mean = sum(r.speedup for r in by_domain.values()) / len(by_domain)
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean:.2f}x |")
+        pooled = pooled_speedup(by_domain.values(), batch_one.get("plain", {}).values())
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean:.2f}x | {pooled} |")
     sweep = defaultdict(list)
     for r in records:
         sweep[(r.batch_size, r.method)].append(r)
     lines += [
         "",
-        "| batch | method | tokens/s | speedup vs plain | acceptance length | verified tokens per emitted token | "
-        "padding share of verified |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | method | tokens/s | speedup vs plain | pooled | acceptance length | verified tokens per emitted "
+        "token | padding share of verified |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (batch, method), group in sorted(sweep.items()):
         if batch == 1 and method not in ("plain", "adaflash_fixed", "adaflash_adaptive", "adaflash_planned"):
             continue
         mean = {c: sum(getattr(r, c) for r in group) / len(group) for c in (*COLUMNS[4:8], "padding_fraction")}
         padding = "-" if mean["padding_fraction"] != mean["padding_fraction"] else f"{mean['padding_fraction']:.2f}"
+        pooled = pooled_speedup(group, sweep.get((batch, "plain"), ()))
         lines.append(
-            f"| {batch} | {method} | {mean['tokens_per_s']:.1f} | {mean['speedup']:.2f}x | "
+            f"| {batch} | {method} | {mean['tokens_per_s']:.1f} | {mean['speedup']:.2f}x | {pooled} | "
             f"{mean['mean_acceptance_length']:.2f} | {mean['verified_per_emitted']:.2f} | {padding} |"
         )
     return "\n".join(lines)
+
+
+def pooled_speedup(records, plain_records) -> str:
+    """All of a method's tokens over all its seconds against plain's, over the same domains (issue 24's "pooled
+    over all prompts": a slow domain weighs by its time, where the mean speedup weighs every domain alike); ``-``
+    without plain records."""
+    plain = {r.domain: r for r in plain_records}
+    records = [r for r in records if r.domain in plain]
+    if not records:
+        return "-"
+    tokens, seconds = sum(r.emitted_tokens for r in records), sum(r.seconds for r in records)
+    plain_tokens, plain_seconds = (
+        sum(plain[r.domain].emitted_tokens for r in records),
+        sum(plain[r.domain].seconds for r in records),
+    )
+    return f"{(tokens / seconds) / (plain_tokens / plain_seconds):.2f}x"
 
 
 def _batch_one_cell(record) -> str:
