@@ -268,37 +268,39 @@ def test_the_planner_verifies_paths_without_the_drafter_when_it_does_not_pay():
 def test_undrafted_widths_are_costed_apart_and_explored_one_token_at_a_time():
     table = CostTable()
     table.observe(1, 1, 1.0)
-    assert table.path_cost(1, 2, drafted=False) == 1.0  # one token wider: the widest's cost, a lower bound
-    assert table.path_cost(1, 6, drafted=False) == 6.0  # wider still: in proportion to width, an upper bound
+    assert table.path_costs(1, [2], drafted=False)[0] == 1.0  # one token wider: the widest's cost, a lower bound
+    assert table.path_costs(1, [6], drafted=False)[0] == 6.0  # wider still: in proportion to width, an upper bound
     table.observe_draft(1, 0.5)
     table.observe(1, 4, 2.0)
     table.observe(1, 8, 2.5)
     # forwards without the draft: 1 token 1.0 s, 4 tokens 1.5 s, 8 tokens 2.0 s
-    assert table.path_cost(1, 6, drafted=False) == pytest.approx(1.75)  # between the drafted widths, less the draft
-    assert table.path_cost(1, 9, drafted=True) == pytest.approx(2.5)  # the next width: 8's forward, + draft
-    assert table.path_cost(1, 10, drafted=True) == pytest.approx(2.0 * 10 / 8 + 0.5)
+    assert table.path_costs(1, [6], drafted=False)[0] == pytest.approx(
+        1.75
+    )  # between the drafted widths, less the draft
+    assert table.path_costs(1, [9], drafted=True)[0] == pytest.approx(2.5)  # the next width: 8's forward, + draft
+    assert table.path_costs(1, [10], drafted=True)[0] == pytest.approx(2.0 * 10 / 8 + 0.5)
     table.observe_undrafted(1, 5, 1.2)
-    assert table.path_cost(1, 5, drafted=False) == 1.2 and table.path_cost(3, 5, drafted=False) == 1.2
+    assert table.path_costs(1, [5], drafted=False)[0] == 1.2 and table.path_costs(3, [5], drafted=False)[0] == 1.2
     assert table.cost(1, 5) != 1.2  # drafted costs do not see undrafted steps
     table.observe(3, 1, 2.0)  # a plain step of 3 rows costs two of 1 row: so does every width
-    assert table.path_cost(3, 5, drafted=False) == pytest.approx(2.4)
+    assert table.path_costs(3, [5], drafted=False)[0] == pytest.approx(2.4)
 
 
 def test_a_path_width_is_priced_in_plain_steps_of_its_row_count():
     """A batch-8 step of 11 tokens a row costs four plain steps on an AVX2-only core (BENCHMARKS.md section 21): it
     must not be priced at the widest measured step's cost, nor at batch 1's seconds."""
     table = CostTable(step_s={(8, 1): 0.32})
-    assert table.path_cost(8, 11, drafted=False) == pytest.approx(11 * 0.32)
+    assert table.path_costs(8, [11], drafted=False)[0] == pytest.approx(11 * 0.32)
     table = CostTable(step_s={(8, 1): 0.3, (1, 1): 0.1, (1, 2): 0.15, (1, 3): 0.16}, draft_s={1: 0.02})
     # 8 rows measured plain steps only: the widths batch 1 measured, in batch 1's plain steps, times 8 rows' plain step
-    assert table.path_cost(8, 2, drafted=False) == pytest.approx(0.13 * 3)
-    assert table.path_cost(8, 3, drafted=False) == pytest.approx(0.14 * 3)
-    assert table.path_cost(8, 5, drafted=False) == pytest.approx(5 * 0.3)  # measured nowhere: the upper bound
+    assert table.path_costs(8, [2], drafted=False)[0] == pytest.approx(0.13 * 3)
+    assert table.path_costs(8, [3], drafted=False)[0] == pytest.approx(0.14 * 3)
+    assert table.path_costs(8, [5], drafted=False)[0] == pytest.approx(5 * 0.3)  # measured nowhere: the upper bound
     table.observe_undrafted(8, 2, 0.6)  # measured at 8 rows: its own price, and a floor for the next width
-    assert table.path_cost(8, 2, drafted=False) == 0.6 and table.path_cost(8, 3, drafted=False) == 0.6
+    assert table.path_costs(8, [2], drafted=False)[0] == 0.6 and table.path_costs(8, [3], drafted=False)[0] == 0.6
     # rows finishing: 7 rows borrow 8 rows' widths in their own plain steps
     table.observe(7, 1, 0.28)
-    assert table.path_cost(7, 2, drafted=False) == pytest.approx(0.6 * 0.28 / 0.3)
+    assert table.path_costs(7, [2], drafted=False)[0] == pytest.approx(0.6 * 0.28 / 0.3)
 
 
 def test_a_plain_step_of_fewer_rows_costs_at_most_one_of_more_rows():

@@ -73,7 +73,7 @@ samples it, so this is speculative sampling's acceptance too), so a call whose p
 them. A step whose drafter is not worth its draft (a plain step, or a long and reliable path) verifies the
 path alone without running the drafter, at the measured cost of such undrafted widths (`CostTable.undrafted_s`).
 A width is priced by the target's forward that width costs at its row count, from every step measured (plain,
-undrafted, drafted less its draft: `CostTable.path_cost`), and the draft where the drafter runs; one token beyond the
+undrafted, drafted less its draft: `CostTable.path_costs`), and the draft where the drafter runs; one token beyond the
 widest measured costs at least the widest's cost (a lower bound: it wins and runs once, which measures it, and is then
 priced by what it cost), wider still in proportion to width (an upper bound), so the paths' widths are explored one
 token at a time: at batch 8 and 32 each token a row verifies costs most of a plain step, and one row's long path
@@ -176,23 +176,27 @@ class CostTable:
     def observe_undrafted(self, rows: int, width: int, seconds: float, provisional: bool = False) -> None:
         self._record("undrafted_s", (rows, width), seconds, provisional)
 
-    def path_cost(self, rows: int, width: int, drafted: bool) -> float | None:
-        """Seconds of a step of ``width`` tokens whose tree holds merged paths (`VerificationPlanner.plan_paths`):
-        the target's forward at ``(rows, width)`` (`forward_costs`, priced by `_estimate` in plain steps of ``rows``),
-        plus the draft for a ``drafted`` one. Beyond the widest width measured, one token wider costs at least the
-        widest's cost (a lower bound, so the next width is tried once and then priced by what it cost), and wider
-        still in proportion to width (an upper bound: a forward's cost grows sublinearly with its tokens): paths are
-        as long as the context offers, and a step of 11 tokens a row priced at the widest measured step's cost
-        would be tried at once, at batch 8 four plain steps' cost (BENCHMARKS.md section 21). ``None`` before any
-        step."""
+    def path_costs(self, rows: int, widths, drafted: bool) -> list[float | None]:
+        """Seconds of a step of each of ``widths`` tokens whose tree holds merged paths
+        (`VerificationPlanner.plan_paths`): the target's forward at ``(rows, width)`` (`forward_costs`, priced by
+        `_estimate` in plain steps of ``rows``), plus the draft for a ``drafted`` one. Beyond the widest width
+        measured, one token wider costs at least the widest's cost (a lower bound, so the next width is tried once
+        and then priced by what it cost), and wider still in proportion to width (an upper bound: a forward's cost
+        grows sublinearly with its tokens): paths are as long as the context offers, and a step of 11 tokens a row
+        priced at the widest measured step's cost would be tried at once, at batch 8 four plain steps' cost
+        (BENCHMARKS.md section 21). ``None`` before any step. The widths of one step are priced together: the
+        table's curves are built once (the planner prices every path length each step)."""
+        curves = _curves(self.forward_costs())
+        draft = (self.draft(rows) or 0.0) if drafted else 0.0
+        priced = []
+        for width in widths:
 
-        def beyond(widest: int, seconds: float) -> float:
-            return seconds if width == widest + 1 else seconds * width / widest
+            def beyond(widest: int, seconds: float, width=width) -> float:
+                return seconds if width == widest + 1 else seconds * width / widest
 
-        forward = _estimate(self.forward_costs(), rows, width, beyond=beyond, plain=self.plain_cost)
-        if forward is None or not drafted:
-            return forward
-        return forward + (self.draft(rows) or 0.0)
+            forward = _estimate(curves, rows, width, beyond, self.plain_cost)
+            priced.append(None if forward is None else forward + draft)
+        return priced
 
     def forward_costs(self) -> dict[tuple[int, int], float]:
         """Seconds of the target's forward alone, by ``(rows, width)``, from every step measured: plain steps,
@@ -200,8 +204,8 @@ class CostTable:
         that key was measured (the forward of a drafted step is the forward an undrafted one of its width runs)."""
         points = {}
         for (rows, width), seconds in self.step_s.items():
-            drafted = max(seconds - (self.draft(rows) or 0.0), 0.0)
-            points[(rows, width)] = self.plain_cost(rows) if width == 1 else drafted
+            less = self.plain_cost(rows) if width == 1 else max(seconds - (self.draft(rows) or 0.0), 0.0)
+            points[(rows, width)] = less
         points.update(self.undrafted_s)
         return points
 
@@ -294,7 +298,9 @@ class CostTable:
         if width == 1:
             return self.plain_cost(rows)
         costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
-        return _estimate(costs, rows, width, lambda widest, seconds: seconds * width / widest, self.plain_cost)
+        return _estimate(
+            _curves(costs), rows, width, lambda widest, seconds: seconds * width / widest, self.plain_cost
+        )
 
     def plain_cost(self, rows: int) -> float | None:
         """Seconds of a plain step of ``rows`` rows: its measured cost, or the nearest measured row count's; at most
@@ -318,31 +324,35 @@ def _moving(averages: dict[int, float], rows: int, value: float) -> None:
     averages[rows] = value if old is None else (1 - EMA) * old + EMA * value
 
 
-def _estimate(costs: dict, rows: int, width: int, beyond, plain) -> float | None:
-    """A step's seconds at ``(rows, width)`` from measured ``costs`` (``{(rows, width): seconds}``); ``None`` when
-    empty. Within a row count the cost is linear between two measured widths, below the narrowest the narrowest's,
-    and beyond the widest ``beyond(widest, its seconds)`` (the caller's bound). A row count whose measured widths do
-    not reach ``width`` borrows the nearest row count's that do (rows leave a batch one by one as they finish;
-    measuring each count anew would cost more than the estimate's error), or, where none does and it has no
-    measurement of its own, the nearest row count's bound; a borrowed cost is taken *in plain steps* of its own row
-    count (``plain(rows)``: a step of width ``w`` at 8 rows costs about as many plain steps of 8 rows as one at 1 row
-    costs plain steps of 1 row, more where the wider forward is arithmetic-bound, while in seconds it costs several
-    times more: BENCHMARKS.md section 20), and at least the widest step its own row count measured."""
-    if (rows, width) in costs:
-        return costs[(rows, width)]
+def _curves(costs: dict) -> dict[int, dict[int, float]]:
+    """Measured ``costs`` (``{(rows, width): seconds}``) as ``{rows: {width: seconds}}``, widths ascending."""
     curves: dict[int, dict[int, float]] = {}
-    for (count, w), seconds in sorted(costs.items()):
-        curves.setdefault(count, {})[w] = seconds
-    own = curves.pop(rows, None)
-    if own is not None and max(own) >= width:
-        return _interpolate(own, width, beyond)
-    reaching = [count for count, curve in curves.items() if max(curve) >= width]
+    for (rows, width), seconds in sorted(costs.items()):
+        curves.setdefault(rows, {})[width] = seconds
+    return curves
+
+
+def _estimate(curves: dict, rows: int, width: int, beyond, plain) -> float | None:
+    """A step's seconds at ``(rows, width)`` from measured costs (`_curves`); ``None`` when there are none. Within a
+    row count the cost is linear between two measured widths, below the narrowest the narrowest's, and beyond the
+    widest ``beyond(widest, its seconds)`` (the caller's bound). A row count whose measured widths do not reach
+    ``width`` borrows the nearest row count's that do (rows leave a batch one by one as they finish; measuring each
+    count anew would cost more than the estimate's error), or, where none does and it has no measurement of its own,
+    the nearest row count's bound; a borrowed cost is taken *in plain steps* of its own row count (``plain(rows)``:
+    a step of width ``w`` at 8 rows costs about as many plain steps of 8 rows as one at 1 row costs plain steps of 1
+    row, more where the wider forward is arithmetic-bound, while in seconds it costs several times more:
+    BENCHMARKS.md section 20), and at least the widest step its own row count measured."""
+    own = curves.get(rows)
+    if own is not None and (width in own or max(own) >= width):
+        return own[width] if width in own else _interpolate(own, width, beyond)
+    others = {count: curve for count, curve in curves.items() if count != rows}
+    reaching = [count for count, curve in others.items() if max(curve) >= width]
     if not reaching and own is not None:
         return _interpolate(own, width, beyond)
-    if not curves:
+    if not others:
         return None
-    near = _nearest_rows(reaching or curves, rows)
-    borrowed = _interpolate(curves[near], width, beyond)
+    near = _nearest_rows(reaching or others, rows)
+    borrowed = _interpolate(others[near], width, beyond)
     plain_rows, plain_near = plain(rows), plain(near)
     if plain_rows is not None and plain_near:
         borrowed *= plain_rows / plain_near
@@ -597,16 +607,14 @@ class VerificationPlanner:
         # path_committed[b, k]: expected tokens row b commits from k path tokens (1 + p + ... over its path's length)
         path_committed = torch.where(steps <= torch.tensor(lengths)[:, None], p_g, 0.0).cumsum(1)
         undrafted = {}
-        for k in range(longest + 1):
-            cost = table.path_cost(count, 1 + k, drafted=False)
+        for k, cost in enumerate(table.path_costs(count, range(1, longest + 2), drafted=False)):
             if cost is not None:
                 undrafted[k] = (float(path_committed[:, k].sum()) / cost, cost)
         width = int(drafts.max()) + 1
         hybrid = {}
         if width > 1:
             drafted = (self.acceptance(rows)[:, None] ** torch.arange(width, dtype=torch.float64)).sum(1)
-            for k in range(longest + 1):
-                cost = table.path_cost(count, width + k, drafted=True)
+            for k, cost in enumerate(table.path_costs(count, range(width, width + longest + 1), drafted=True)):
                 if cost is not None:
                     hybrid[k] = (float(torch.maximum(drafted, path_committed[:, k]).sum()) / cost, cost)
         best_alone = max(undrafted, key=lambda k: undrafted[k][0], default=None)
