@@ -16,7 +16,7 @@ import adaflash_hf
 from adaflash_hf.generation import tree as tree_module
 from adaflash_hf.generation.ngram import SCAN_PER_CONTINUATION, NgramIndex, SuffixIndex
 from adaflash_hf.generation.options import AdaFlashGenerationOptions
-from adaflash_hf.generation.planner import CostTable, VerificationPlanner
+from adaflash_hf.generation.planner import PRIOR_ACCEPTANCE, CostTable, VerificationPlanner
 from adaflash_hf.generation.tree import DRAFTER, PATHS, build_trees, walk_trees
 
 # ------------------------------------------------------------------ the suffix index
@@ -360,11 +360,46 @@ def test_one_rows_path_does_not_make_a_wide_batch_verify_it():
 def test_paths_are_scored_against_what_the_rows_commit_whether_verified_or_not():
     planner = VerificationPlanner(CostTable(), block_size=16, batch_size=2, device=torch.device("cpu"))
     planner.before_draft([0, 1], torch.tensor([30, 30]), [[5, 6, 7], [9]])
-    planner.score_paths([0, 1], [[5], [8]])  # one token each (a plain step): row 1's path is refuted
-    assert planner.path_trials.tolist() == [0.0, 1.0] and planner.path_successes.tolist() == [0.0, 0.0]
+    planner.score_paths([0, 1], [[5], [8]])  # one token each (a plain step): row 1's path is refuted at depth 1
+    assert planner.path_trials[:, :3].tolist() == [[0, 0, 0], [1, 0, 0]] and planner.path_successes.sum() == 0
     planner.score_paths([0], [[6, 7, 1]])  # row 0's path matched to its end over two steps (row 1 left)
-    assert planner.path_trials.tolist() == [3.0, 1.0] and planner.path_successes.tolist() == [3.0, 0.0]
-    assert planner.table.path_acceptance == 0.75 and not planner._path_shadows
+    assert planner.path_trials[:, :3].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert planner.path_successes[:, :3].tolist() == [[1, 1, 1], [0, 0, 0]]
+    # per depth: the first token accepted once in two, the second and third always, deeper ones still the prior
+    assert planner.table.path_acceptance[:4] == [0.5, 1.0, 1.0, PRIOR_ACCEPTANCE] and not planner._path_shadows
+
+
+def test_a_paths_acceptance_is_modelled_per_depth():
+    """Copied paths are bimodal: right to their end where the context repeats, wrong at their first token where it
+    does not. One geometric rate fitted to both (8 of 9 tokens here) would expect a one-token path to commit 1.89
+    tokens; per depth it is 1.5, and a path of 8 tokens 5.0."""
+    planner = VerificationPlanner(CostTable(), block_size=16, batch_size=1, device=torch.device("cpu"))
+    for _ in range(40):
+        planner.before_draft([0], torch.tensor([30]), [list(range(8))])
+        planner.score_paths([0], [list(range(8))])  # matched to its end
+        planner.before_draft([0], torch.tensor([30]), [[9]])
+        planner.score_paths([0], [[10]])  # refuted at its first token
+    reach = planner.path_reach([0], 8)[0]
+    assert float(reach[1]) == pytest.approx(0.5, abs=0.03)
+    assert float(reach.sum()) == pytest.approx(1 + 8 * 0.5, abs=0.3)
+    geometric = planner.path_successes.sum() / planner.path_trials.sum()
+    assert float(geometric) == pytest.approx(8 / 9)  # what one rate would have said of the first token
+    # a new call starts from the last call's depths
+    follower = VerificationPlanner(planner.table, block_size=16, batch_size=1, device=torch.device("cpu"))
+    assert float(follower.path_reach([0], 1)[0, 1]) == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_short_path_is_not_verified_on_the_strength_of_long_ones():
+    """At 8 rows each path token costs most of a plain step: a one-token path pays only if its first token is
+    accepted more often than the step's extra cost; a geometric fit to bimodal paths said it was (0.89) when it was
+    not (0.5)."""
+    table = CostTable(step_s={(8, 1): 1.0}, undrafted_s={(8, 2): 1.7})
+    planner = VerificationPlanner(table, block_size=16, batch_size=8, device=torch.device("cpu"))
+    planner.path_successes[:, 0], planner.path_trials[:, 0] = 50.0, 100.0  # the first token: one in two
+    planner.path_successes[:, 1:], planner.path_trials[:, 1:] = 100.0, 100.0  # the rest of a copy: always
+    assert _planned_step(planner, [[7]] * 8, 1) == (False, 0)  # 1.5 tokens for 1.7 plain steps: plain
+    planner.path_successes[:, 0] = 80.0
+    assert _planned_step(planner, [[7]] * 8, 1) == (False, 1)  # 1.8 tokens for 1.7: the path
 
 
 # ------------------------------------------------------------------ sampling exactness

@@ -104,3 +104,19 @@ def test_the_file_form_round_trips():
         copy.head_dtypes.chosen(("cpu", (128, 64), (2, 77))) is torch.bfloat16
         and copy.layouts.chosen(3) == "transposed"
     )
+
+
+def test_a_profile_of_one_path_rate_stands_for_every_depth():
+    """Profiles written before merged paths were modelled per depth hold one rate: it is every depth's prior."""
+    profile = RuntimeProfile()
+    profile.cost_table(torch.device("cpu"), torch.float32).observe(1, 1, 0.1)
+    state = profile.to_dict()
+    (table,) = state["cost_tables"].values()
+    table["path_acceptance"] = 0.7
+    copy = RuntimeProfile()
+    copy.load_dict(state)
+    depths = copy.cost_table(torch.device("cpu"), torch.float32).path_acceptance
+    assert len(depths) > 1 and depths == [0.7] * len(depths)
+    table["path_acceptance"] = [0.7, 0.9]  # another depth count than this version models: unusable
+    with pytest.raises(ValueError, match="depths"):
+        RuntimeProfile().load_dict(state)

@@ -62,10 +62,13 @@ over ``2 .. block_size`` (the drafter has run; every drafted width is costed by 
 **With merged n-gram paths** (``adaflash_ngram``, `ngram.py`), the loop tells the planner before each step how
 long a continuation each row's context offers, and the planner chooses, with the drafter's width, how many path
 tokens join the step's tree (`plan_paths`): the rate of each choice is its expected committed tokens over its cost,
-a path's expected tokens following its own geometric acceptance ``p_g`` (per row, shrunk towards the pooled estimate
-and the last call's), a row committing the longer of the drafter's and the path's expectation (an underestimate:
-where one source's path is refuted the other's may go on, so paths join a drafted step where some rows copy and
-others need the drafter, and replace the drafter where copying alone pays). ``p_g`` is
+a path's expected tokens following its own acceptance per depth ``c_j``, the chance that its ``j``-th token is
+accepted given the ones before (per row, shrunk towards the call's pooled estimate and that towards the last call's),
+a row committing the longer of the drafter's and the path's expectation (an underestimate: where one source's path
+is refuted the other's may go on, so paths join a drafted step where some rows copy and others need the drafter, and
+replace the drafter where copying alone pays). Per depth and not one geometric rate, because copied paths are
+bimodal: the context either repeats here, and the path holds to its end, or it does not, and its first token fails;
+one rate fitted to both over-predicts exactly the first tokens that decide whether a short path pays. ``c_j`` is
 observed at no cost whether the path was verified or not: each row's path is compared with the tokens the row then
 commits, over as many steps as it takes, until the first disagreement (the target's own tokens: under greedy decoding
 what verifying it would accept; under sampling, a deterministic path's token is accepted exactly when the target
@@ -113,6 +116,9 @@ MAX_PROBE_INTERVAL = 256
 # work beside a plain forward takes the other half (BENCHMARKS.md section 20: 0.6% of a step on an AVX2-only core).
 PROBE_BUDGET = 0.01
 CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
+# Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
+# are copies in progress, whose later tokens are accepted alike).
+PATH_DEPTHS = 8
 
 
 def match_committed(proposal: list[int], matched: int, committed: list[int]) -> tuple[int, bool]:
@@ -146,7 +152,8 @@ class CostTable:
     idle_steps: int = 0  # plain steps since the last probe or drafted step, across calls (`VerificationPlanner.width`)
     # (rows, width) -> seconds of a step that verified merged n-gram paths without running the drafter
     undrafted_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    path_acceptance: float = PRIOR_ACCEPTANCE  # pooled per-token acceptance of merged n-gram paths, last call
+    # the last call's pooled acceptance of a merged n-gram path's j-th token given the ones before, per depth
+    path_acceptance: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * PATH_DEPTHS)
 
     # (cost, key) -> the latest timed seconds of a step cost (`_record`); a cost without any came from a profile file
     _windows: dict[tuple[str, tuple[int, int]], deque] = field(default_factory=dict, repr=False, compare=False)
@@ -313,6 +320,15 @@ class CostTable:
         return min([plain[_nearest_rows(plain, rows)], *(s for count, s in plain.items() if count > rows)])
 
 
+def _depth_counts(tokens: int) -> torch.Tensor:
+    """``[PATH_DEPTHS]``: how many of a path's first ``tokens`` tokens lie at each depth (the last depth holds all the
+    deeper ones)."""
+    counts = torch.zeros(PATH_DEPTHS, dtype=torch.float64)
+    counts[: min(tokens, PATH_DEPTHS)] = 1.0
+    counts[-1] += max(0, tokens - PATH_DEPTHS)
+    return counts
+
+
 def _nearest_rows(counts, rows: int) -> int:
     """The measured row count (of non-empty ``counts``) nearest to ``rows``, the smaller one on a tie."""
     return min(counts, key=lambda r: (abs(r - rows), r))
@@ -429,9 +445,10 @@ class VerificationPlanner:
         # merged n-gram paths (`plan_paths`): their tokens in this step's tree per row, whether the drafter runs, and
         # each row's observed acceptance of path tokens
         self._path_nodes, self._undrafted = 0, False
-        self.path_successes = torch.zeros(batch_size, dtype=torch.float64)
-        self.path_trials = torch.zeros(batch_size, dtype=torch.float64)
-        self._path_prior = table.path_acceptance  # the last call's, kept as this call's prior
+        # [row, depth - 1]: accepted and scored path tokens at each depth (`score_paths`)
+        self.path_successes = torch.zeros(batch_size, PATH_DEPTHS, dtype=torch.float64)
+        self.path_trials = torch.zeros(batch_size, PATH_DEPTHS, dtype=torch.float64)
+        self._path_prior = torch.tensor(table.path_acceptance, dtype=torch.float64)  # this call's prior
         self._path_shadows: dict[int, list] = {}  # row -> [its path being scored, tokens matched so far]
         # A new call's prompts may draft well where the last call's did not: with `probe_first` it probes first
         # (within the budget), and the back-off the last call reached is kept up to `CALL_PROBE_INTERVAL`, so that
@@ -575,24 +592,36 @@ class VerificationPlanner:
                 continue
             matched, failed = match_committed(path, matched, present[row])
             if failed or matched == len(path):
-                self.path_successes[row] += matched
-                self.path_trials[row] += matched + failed
+                # depths 1 .. matched accepted; the next one, where the path failed, scored and refused
+                self.path_successes[row] += _depth_counts(matched)
+                self.path_trials[row] += _depth_counts(matched + failed)
                 del self._path_shadows[row]
             else:
                 self._path_shadows[row][1] = matched
-        trials = float(self.path_trials.sum())
-        if trials > 0:
-            self.table.path_acceptance = float(self.path_successes.sum()) / trials
+        successes, trials = self.path_successes.sum(0), self.path_trials.sum(0)
+        scored = trials > 0
+        if scored.any():
+            pooled = torch.where(scored, successes / trials.clamp(min=1.0), self._path_prior)
+            self.table.path_acceptance = pooled.tolist()
 
     def path_acceptance(self, rows: list[int]) -> torch.Tensor:
-        """Per-row probability that a merged path's next token is accepted, ``[len(rows)]``: the row's observations
-        shrunk towards the call's pooled ones, themselves shrunk towards the last call's."""
-        pooled = (self.path_successes.sum() + PRIOR_WEIGHT * self._path_prior) / (
-            self.path_trials.sum() + PRIOR_WEIGHT
+        """Per row, the probability that a merged path's ``j``-th token is accepted given the ones before,
+        ``[len(rows), PATH_DEPTHS]``: the row's observations at each depth shrunk towards the call's pooled ones,
+        themselves shrunk towards the last call's."""
+        pooled = (self.path_successes.sum(0) + PRIOR_WEIGHT * self._path_prior) / (
+            self.path_trials.sum(0) + PRIOR_WEIGHT
         )
         index = torch.tensor(rows, dtype=torch.long)
         own_s, own_t = self.path_successes[index], self.path_trials[index]
         return ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+
+    def path_reach(self, rows: list[int], longest: int) -> torch.Tensor:
+        """``[len(rows), longest + 1]``: the probability that a row's path is accepted through its first ``k``
+        tokens (``k = 0``: 1, the step's own token)."""
+        conditional = self.path_acceptance(rows)
+        depths = torch.arange(longest).clamp(max=PATH_DEPTHS - 1)
+        reach = conditional[:, depths].cumprod(1)
+        return torch.cat([torch.ones(len(rows), 1, dtype=reach.dtype), reach], dim=1)
 
     def plan_paths(self, rows: list[int], lengths: list[int], drafts: torch.LongTensor) -> torch.LongTensor:
         """How many tokens of merged n-gram paths join this step's tree (kept for `path_nodes`), given each row's
@@ -602,10 +631,11 @@ class VerificationPlanner:
         if self._shadow_now or table.cost(count, 1) is None:
             return drafts  # a probe times the draft alone; the first step measures a plain step
         longest = max(lengths)
-        steps = torch.arange(longest + 1, dtype=torch.float64)
-        p_g = self.path_acceptance(rows)[:, None] ** steps
-        # path_committed[b, k]: expected tokens row b commits from k path tokens (1 + p + ... over its path's length)
-        path_committed = torch.where(steps <= torch.tensor(lengths)[:, None], p_g, 0.0).cumsum(1)
+        steps = torch.arange(longest + 1)
+        # path_committed[b, k]: expected tokens row b commits from k path tokens (1 + c_1 + c_1 c_2 + ... over its
+        # path's length)
+        reach = self.path_reach(rows, longest)
+        path_committed = torch.where(steps <= torch.tensor(lengths)[:, None], reach, 0.0).cumsum(1)
         undrafted = {}
         for k, cost in enumerate(table.path_costs(count, range(1, longest + 2), drafted=False)):
             if cost is not None:

@@ -140,7 +140,12 @@ class RuntimeProfile:
                     rows, width = key.split(",")
                     cost.undrafted_s[(int(rows), int(width))] = float(seconds)
                 cost.acceptance, cost.head_scale = float(table["acceptance"]), float(table["head_scale"])
-                cost.path_acceptance = float(table.get("path_acceptance", cost.path_acceptance))
+                stored = table.get("path_acceptance", cost.path_acceptance)
+                # a profile written before paths were modelled per depth holds one rate: it stands for every depth
+                stored = [stored] * len(cost.path_acceptance) if isinstance(stored, (int, float)) else stored
+                if len(stored) != len(cost.path_acceptance):
+                    raise ValueError(f"path_acceptance holds {len(stored)} depths, not {len(cost.path_acceptance)}")
+                cost.path_acceptance = [float(x) for x in stored]
             for key, dtype in state["head_dtypes"]:
                 self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
             for key, layout in state["layouts"]:
