@@ -49,10 +49,21 @@ def test_harness_records_every_usable_method(word_tokenizer):
     assert copied and all(math.isnan(c) or 0.0 <= c <= 1.0 for c in copied)
     adaptive = [r for r in records if r.method == "adaflash_adaptive" and r.batch_size == 2]
     assert all(0.0 <= r.padding_fraction < 1.0 for r in adaptive)
+    # where our loop's time went: every step of every call by its kind
+    assert plain.steps_by_kind == {}
+    # the whole block wherever the row's token budget leaves room for drafts: plain steps only at the budget's end
+    assert set(fixed.steps_by_kind) == {"drafted", "plain"}
+    assert fixed.steps_by_kind["plain"]["steps"] <= 4 < fixed.steps_by_kind["drafted"]["steps"]
+    for record in records:
+        if record.method.startswith("adaflash_"):
+            kinds = record.steps_by_kind
+            assert kinds and set(kinds) <= {"plain", "probe", "drafted", "paths"}
+            # every token but each row's first (the prefill's) was committed by one of the steps
+            assert sum(entry["emitted_tokens"] for entry in kinds.values()) == record.emitted_tokens - 4
 
 
 def test_report_table_and_plots(tmp_path, word_tokenizer):
-    from adaflash_demo.bench.report import markdown_table, plot_records, summary_tables
+    from adaflash_demo.bench.report import markdown_table, plot_records, step_kinds_table, summary_tables
 
     target = tiny_target()
     target.generation_config.pad_token_id = 2
@@ -68,6 +79,14 @@ def test_report_table_and_plots(tmp_path, word_tokenizer):
     )
     table = markdown_table(records)
     assert table.count("\n") == 1 + len(records) and "| adaflash_fixed | 2 | x | float32 |" in table
+    kinds = step_kinds_table(records).splitlines()
+    assert kinds[0].startswith("| batch | method | plain: steps / time | probe: steps / time | drafted: ")
+    fixed = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 1)
+    drafted = fixed.steps_by_kind["drafted"]
+    share = drafted["seconds"] / sum(entry["seconds"] for entry in fixed.steps_by_kind.values())
+    assert len(kinds) == 4  # batch 1 and 2 of adaflash_fixed
+    assert kinds[2].startswith("| 1 | adaflash_fixed | ") and f"| {drafted['steps']} / {share:.0%} |" in kinds[2]
+    assert kinds[2].endswith("| - | - |")  # the fixed block predicts nothing
     summary = summary_tables(records).splitlines()
     assert summary[0] == "| method | x | mean speedup | pooled |" and summary[3].startswith("| plain | ")
     assert summary[3].endswith("| 1.00x | 1.00x |")

@@ -647,6 +647,10 @@ def test_a_never_agreeing_drafter_costs_a_bounded_number_of_drafts_and_no_verifi
         assert rows_of(out, prompts) == references
         verified_beyond_anchor = sum(step.verify_width - 1 for step in stats.steps)
         per_call.append((len(stats.steps), len(forwards), verified_beyond_anchor))
+        # the stats name each step: the drafter's forwards are the probes, and the rest plain steps
+        kinds = stats.summary()["steps_by_kind"]
+        assert kinds.get("probe", 0) + kinds.get("drafted", 0) == len(forwards)
+        assert kinds.get("plain", 0) + kinds.get("probe", 0) + kinds.get("drafted", 0) == len(stats.steps)
     for steps, drafts, verified in per_call[1:]:
         # after the first call: nothing but anchors verified, and a probe every 16 or more steps (a first one, then
         # one after `CALL_PROBE_INTERVAL` plain steps, then ever rarer)

@@ -263,6 +263,9 @@ def test_the_planner_verifies_paths_without_the_drafter_when_it_does_not_pay():
     assert out[0, len(prompt) :].tolist() == want
     undrafted = [s for s in stats.steps if s.verify_width > 1 and not any(s.drafter_offered or [0])]
     assert undrafted and sum(a for s in undrafted for a in s.ngram_accepted) > 0
+    assert undrafted == [s for s in stats.steps if s.kind == "paths"]  # the stats name them
+    paths = stats.by_kind()["paths"]
+    assert paths["steps"] == len(undrafted) and paths["emitted_tokens"] == sum(sum(s.emitted) for s in undrafted)
 
 
 def test_undrafted_widths_are_costed_apart_and_explored_one_token_at_a_time():

@@ -183,7 +183,8 @@ class SpeculativeDecoding:
         max_drafts = plan.before_draft(row_list, room, None if paths is None else [p[0] if p else [] for p in paths])
         start = self.recorder.clock()
         anchors = self.sequences[rows, lengths - 1]
-        if not bool(max_drafts.gt(0).any()):
+        drafter_ran = bool(max_drafts.gt(0).any())
+        if not drafter_ran:
             drafts = generator.skip(anchors)  # a plain step: the drafter's context waits for the next draft
         else:
             if generator.draft_head.dtype is None:
@@ -216,6 +217,7 @@ class SpeculativeDecoding:
             verify_width=v.width,
             draft_time_s=drafted - start,
             target_time_s=v.verified_at - drafted,
+            drafter_ran=drafter_ran,
             **predicted,
             **{
                 f"{name}_{kind}": values.tolist()

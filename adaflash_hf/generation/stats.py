@@ -30,6 +30,8 @@ class StepRecord:
     drafter_accepted / drafter_offered / ngram_accepted / ngram_offered (``adaflash_ngram`` tree steps only, else
         ``None``): per source of the merged tree, the leading tokens of the accepted path it proposed and the deepest
         path it offered (a token both proposed counts for both).
+    drafter_ran: whether the drafter ran this step (``None``: not recorded). With `verify_width` it names the step's
+        `kind`.
     """
 
     rows: list[int]
@@ -46,6 +48,17 @@ class StepRecord:
     drafter_offered: list[int] | None = None
     ngram_accepted: list[int] | None = None
     ngram_offered: list[int] | None = None
+    drafter_ran: bool | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"plain"`` (the anchor alone, no draft), ``"probe"`` (the anchor alone verified while the drafter drafted
+        a block the planner scores against the tokens then committed, `planner.py`), ``"drafted"`` (drafts
+        verified, merged n-gram paths among them or not) or ``"paths"`` (merged n-gram paths verified without
+        the drafter)."""
+        if self.verify_width == 1:
+            return "probe" if self.drafter_ran else "plain"
+        return "drafted" if self.drafter_ran or self.drafter_ran is None else "paths"
 
 
 @dataclass
@@ -120,6 +133,32 @@ class SpeculativeStats:
         accepted = sum(sum(getattr(s, f"{source}_accepted") or ()) for s in self.steps)
         return {"offered": offered, "accepted": accepted, "rate": accepted / offered if offered else 0.0}
 
+    def by_kind(self) -> dict[str, dict]:
+        """Per step `StepRecord.kind`: steps, row-steps, tokens committed, seconds (the planner's measured step time,
+        else draft plus target time), and, where the planner predicted them, predicted seconds and tokens: where the
+        loop's time went, and how well the planner priced it."""
+        kinds: dict[str, dict] = {}
+        for step in self.steps:
+            entry = kinds.setdefault(
+                step.kind,
+                {
+                    "steps": 0,
+                    "row_steps": 0,
+                    "emitted_tokens": 0,
+                    "seconds": 0.0,
+                    "predicted_s": 0.0,
+                    "predicted_tokens": 0.0,
+                },
+            )
+            entry["steps"] += 1
+            entry["row_steps"] += len(step.rows)
+            entry["emitted_tokens"] += sum(step.emitted)
+            measured = step.step_time_s
+            entry["seconds"] += step.draft_time_s + step.target_time_s if measured is None else measured
+            entry["predicted_s"] += step.predicted_step_s or 0.0
+            entry["predicted_tokens"] += step.predicted_tokens or 0.0
+        return kinds
+
     @property
     def draft_time_s(self) -> float:
         return sum(step.draft_time_s for step in self.steps)
@@ -137,6 +176,7 @@ class SpeculativeStats:
             "verified_tokens_per_emitted_token": self.verified_tokens_per_emitted_token,
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
+            "steps_by_kind": {kind: entry["steps"] for kind, entry in self.by_kind().items()},
         }
 
 

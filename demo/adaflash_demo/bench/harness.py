@@ -73,6 +73,10 @@ class BenchRecord:
     # (tokens, seconds) of each timed call in the group's batch order, for a look at how a cell's calls differ (the
     # first calls of a process pay its kernel and draft-head trials); plain's are the same batches'
     call_times: list = field(default_factory=list)
+    # our loop: per step kind (`adaflash_hf.generation.stats.StepRecord.kind`: plain, probe, drafted, paths), the
+    # steps, tokens, seconds and the planner's predicted seconds and tokens, summed over the cell's calls (where the
+    # time went, and how well the planner priced it)
+    steps_by_kind: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -89,6 +93,7 @@ class _Tally:
     accepted: int = 0  # our loop: drafts accepted
     copied: int = 0  # adaflash_ngram: of them, proposed by n-gram paths
     merged: bool = False  # a step of adaflash_ngram ran
+    kinds: dict = field(default_factory=dict)  # our loop: `SpeculativeStats.by_kind` summed over the calls
 
 
 class ForwardCounter:
@@ -314,6 +319,7 @@ def run_benchmark(
                     calls=len(tally.calls),
                     copied_fraction=tally.copied / max(tally.accepted, 1) if tally.merged else float("nan"),
                     call_times=[list(call) for call in tally.calls],
+                    steps_by_kind=tally.kinds,
                 )
             )
     return records
@@ -376,6 +382,10 @@ def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, c
             if step.ngram_accepted is not None:
                 tally.copied += sum(step.ngram_accepted)
                 tally.merged = True
+        for kind, entry in stats.by_kind().items():
+            summed = tally.kinds.setdefault(kind, dict.fromkeys(entry, 0))
+            for name, value in entry.items():
+                summed[name] += value
     tally.row_forwards += counter.row_forwards
     tally.processed += counter.processed_tokens
     rows = [cut_after_eos(row, config) for row in out[:, inputs["input_ids"].shape[1] :].tolist()]

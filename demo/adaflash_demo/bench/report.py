@@ -49,7 +49,10 @@ def machine_line(machine: dict | None) -> str:
 
 def markdown_report(records, machine: dict | None) -> str:
     """The ``--markdown`` file and the printed report: the machine, every record, then the summaries."""
-    return f"{machine_line(machine)}\n\n{markdown_table(records)}\n\n{summary_tables(records)}"
+    kinds = step_kinds_table(records)
+    return f"{machine_line(machine)}\n\n{markdown_table(records)}\n\n{summary_tables(records)}" + (
+        f"\n\n{kinds}" if kinds else ""
+    )
 
 
 def _cell(value) -> str:
@@ -107,6 +110,41 @@ def summary_tables(records) -> str:
             f"| {batch} | {method} | {mean['tokens_per_s']:.1f} | {mean['speedup']:.2f}x | {pooled} | "
             f"{mean['mean_acceptance_length']:.2f} | {mean['verified_per_emitted']:.2f} | {padding} |"
         )
+    return "\n".join(lines)
+
+
+STEP_KINDS = ("plain", "probe", "drafted", "paths")
+
+
+def step_kinds_table(records) -> str:
+    """Where our loop's time went, per batch size and method over its domains: each step kind's steps and share of
+    the time (`BenchRecord.steps_by_kind`), and for the steps that verify more than the anchor, what the planner
+    predicted against what they cost and committed (its policy only; ``-`` elsewhere). Empty without such records."""
+    summed: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    for r in records:
+        for kind, entry in (r.steps_by_kind or {}).items():
+            for name, value in entry.items():
+                summed[(r.batch_size, r.method)][kind][name] += value
+    if not summed:
+        return ""
+    lines = [
+        "| batch | method | "
+        + " | ".join(f"{kind}: steps / time" for kind in STEP_KINDS)
+        + " | wider steps: predicted / measured seconds | wider steps: predicted / committed tokens |",
+        "|" + "---|" * (len(STEP_KINDS) + 4),
+    ]
+    for (batch, method), kinds in sorted(summed.items()):
+        total = sum(entry["seconds"] for entry in kinds.values()) or 1.0
+        cells = [
+            f"{int(kinds[kind]['steps'])} / {kinds[kind]['seconds'] / total:.0%}" if kind in kinds else "-"
+            for kind in STEP_KINDS
+        ]
+        wider = [kinds[kind] for kind in ("drafted", "paths") if kind in kinds]
+        predicted_s, seconds = sum(e["predicted_s"] for e in wider), sum(e["seconds"] for e in wider)
+        predicted_tokens, tokens = sum(e["predicted_tokens"] for e in wider), sum(e["emitted_tokens"] for e in wider)
+        priced = f"{predicted_s:.1f} / {seconds:.1f} s" if predicted_s else "-"
+        expected = f"{predicted_tokens:.0f} / {tokens:.0f}" if predicted_tokens else "-"
+        lines.append(f"| {batch} | {method} | " + " | ".join(cells) + f" | {priced} | {expected} |")
     return "\n".join(lines)
 
 
