@@ -658,3 +658,17 @@ def test_checkpoints_are_chosen_by_the_loops_acceptance_on_validation_prompts(ch
     for domain, runs in evaluation.items():
         assert f"| {domain} | {runs['fixed']['mean_acceptance_length']:.2f} | " in card
     assert set(evaluation) == {*selection, instructions.UNSEEN_DOMAIN}
+
+
+def test_feature_dtype_auto_is_bfloat16_only_where_the_machine_runs_it_natively():
+    config = recipe.RecipeConfig(feature_dtype="auto")
+    avx2 = {"isa": {"avx2": True, "avx512f": False, "avx512_bf16": False, "amx_bf16": False}, "gpus": []}
+    assert recipe.feature_dtype(config, avx2) is torch.float32  # emulated bf16: several times slower
+    zen5 = {"isa": {**avx2["isa"], "avx512f": True, "avx512_bf16": True}, "gpus": []}
+    assert recipe.feature_dtype(config, zen5) is torch.bfloat16
+    sapphire_rapids = {"isa": {**avx2["isa"], "amx_bf16": True}, "gpus": []}
+    assert recipe.feature_dtype(config, sapphire_rapids) is torch.bfloat16
+    assert recipe.feature_dtype(config, {**avx2, "gpus": [{"name": "NVIDIA H100"}]}) is torch.bfloat16
+    assert recipe.feature_dtype(recipe.RecipeConfig(feature_dtype="bfloat16"), avx2) is torch.bfloat16  # as asked
+    with pytest.raises(ValueError, match="feature_dtype='bf16': use float32, bfloat16, float16 or auto"):
+        recipe.RecipeConfig(feature_dtype="bf16")

@@ -159,7 +159,11 @@ class RecipeConfig:
         metadata={
             "help": "dtype of the target that computes the stored features (and teaches in the train stage). "
             "bfloat16 is 2.5x faster on a CPU with AVX-512 BF16; its features differ from float32's by about 2 percent"
-            " (relative), which a drafter trained under bf16 autocast tolerates; serving stays float32 and exact."
+            " (relative), which a drafter trained under bf16 autocast tolerates; serving stays float32 and exact. "
+            "On a CPU without native bf16 (AVX2 only) bfloat16 is emulated and several times slower than float32 "
+            "(BENCHMARKS.md section 22). `auto`: bfloat16 where it is native (AVX-512 BF16, AMX, a GPU), else float32"
+            "; a feature folder holds one dtype's features (the cache refuses another's), so a run moved to another "
+            "kind of machine resolves `auto` again and needs a folder of its own (features_dir)."
         },
     )
 
@@ -215,6 +219,11 @@ class RecipeConfig:
     )
 
     def __post_init__(self):
+        if self.feature_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"feature_dtype={self.feature_dtype!r}: use float32, bfloat16, float16 or auto (bfloat16 where the "
+                "machine runs it natively, else float32)."
+            )
         unknown = sorted(set(self.stages) - set(STAGES))
         if unknown:
             raise ValueError(f"Unknown stage(s) {unknown}; the stages are {', '.join(STAGES)}.")
@@ -223,6 +232,22 @@ class RecipeConfig:
                 "drafter_type=dflash2 drafts over the whole vocabulary (its selector is indexed by target token ids), "
                 f"so it cannot take draft_vocab_size={self.draft_vocab_size}: pass --draft_vocab_size 0."
             )
+
+
+def feature_dtype(config: RecipeConfig, machine: dict | None = None) -> torch.dtype:
+    """The features stage's and the teacher's dtype: ``config.feature_dtype``, with ``auto`` resolved on this machine
+    (``machine``: `adaflash_hf.machine.machine_info`'s form): bfloat16 where a GPU or the CPU's AVX-512 BF16 or AMX
+    runs it natively, else float32, which on an AVX2-only core runs the target's forward several times faster than
+    emulated bfloat16."""
+    if config.feature_dtype != "auto":
+        return getattr(torch, config.feature_dtype)
+    if machine is None:
+        from adaflash_hf.machine import machine_info
+
+        machine = machine_info()
+    isa = machine.get("isa") or {}
+    native = bool(machine.get("gpus")) or bool(isa.get("avx512_bf16")) or bool(isa.get("amx_bf16"))
+    return torch.bfloat16 if native else torch.float32
 
 
 class Layout:
@@ -465,7 +490,9 @@ def stage_features(config: RecipeConfig, layout: Layout) -> None:
     sequence token on two cores, paid once instead of once per epoch and evaluation."""
     from adaflash_hf.training import FeatureCache
 
-    target, _ = load_target(dtype=getattr(torch, config.feature_dtype))
+    dtype = feature_dtype(config)
+    print(f"features: the target in {str(dtype).removeprefix('torch.')}", flush=True)
+    target, _ = load_target(dtype=dtype)
     rows = load_answers(layout, shards=config.answer_shards) + load_answers(layout, "validation")
     sequences = [(row["prompt_ids"] + row["completion_ids"])[: config.max_length] for row in rows]
     cache = FeatureCache(layout.features, target, config.target_layer_ids)
@@ -601,7 +628,7 @@ def stage_train(config: RecipeConfig, layout: Layout) -> None:
 
     torch.manual_seed(config.seed)
     # The teacher in the dtype that computed the stored features (the cache refuses another target's).
-    target, tokenizer = load_target(dtype=getattr(torch, config.feature_dtype))
+    target, tokenizer = load_target(dtype=feature_dtype(config))
     drafter = AdaFlashDrafter(drafter_config(target, config, draft_vocabulary(layout, config, tokenizer)))
     args = OPDConfig(
         output_dir=str(layout.trainer),
