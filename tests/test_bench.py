@@ -4,6 +4,7 @@ batch size a domain cannot fill pools the small domains; the results name the ma
 import math
 
 import pytest
+import torch
 from helpers import tiny_drafter, tiny_target
 
 from adaflash_demo.bench.harness import METHODS, run_benchmark, speedup_interval
@@ -286,3 +287,17 @@ def test_the_ngram_cost_script_runs(capsys):
     assert ngram_cost.main(["--lengths", "64,128", "--steps", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and '"index_step_us"' in lines[-1]
+
+
+def test_the_forward_dtype_script_times_each_dtype_of_the_target():
+    from adaflash_demo.bench import forward_dtype
+
+    loaded = []
+
+    def load(dtype):
+        loaded.append(dtype)
+        return tiny_target().to(dtype)
+
+    results = forward_dtype.measure(load, ["float32", "bfloat16"], [0, 1], batch_size=2, length=8, repeats=2)
+    assert loaded == [torch.float32, torch.bfloat16] and list(results) == ["float32", "bfloat16"]
+    assert all(ms > 0 for ms in results.values())
