@@ -584,7 +584,7 @@ class VerificationPlanner:
     def score_paths(self, rows: list[int], committed: list[list[int]]) -> None:
         """Compares each row's pending path with the tokens it committed this step (``committed``, per row of
         ``rows``): a disagreement or the path's end observes its matched tokens (module docstring)."""
-        present = dict(zip(rows, committed))
+        present, resolved = dict(zip(rows, committed)), False
         for row in list(self._path_shadows):
             path, matched = self._path_shadows[row]
             if row not in present:  # the row finished
@@ -596,8 +596,11 @@ class VerificationPlanner:
                 self.path_successes[row] += _depth_counts(matched)
                 self.path_trials[row] += _depth_counts(matched + failed)
                 del self._path_shadows[row]
+                resolved = True
             else:
                 self._path_shadows[row][1] = matched
+        if not resolved:
+            return
         successes, trials = self.path_successes.sum(0), self.path_trials.sum(0)
         scored = trials > 0
         if scored.any():
