@@ -25,8 +25,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/adaflash-demo demo
 
+# One test process per core (CI has two; each process runs torch on one thread, tests/conftest.py), whole files per
+# process so that a module's fixtures are built once.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python -m pytest -q
+	HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff is pinned here only, so a new ruff release never turns CI red by itself.
 lint: $(STAMP)
