@@ -3,6 +3,7 @@ runs unless a limit is given) and on --target/--drafter (the synthetic checkpoin
 target's shipped streams, and `demo` on the real target itself (the README's main job, shortened)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from synthetic import prompts
@@ -128,14 +129,32 @@ def test_recipe_is_a_sub_command_with_the_recipes_fields(capsys):
     assert exit_info.value.code == 2 and "Unknown stage(s) ['nope']" in capsys.readouterr().err
 
 
-def test_demo_on_the_real_target_is_identical_to_plain_generate(tmp_path, capsys):
+@pytest.mark.parametrize("drafter", [None, "smollm2-chat-drafter"])
+def test_demo_on_the_real_target_is_identical_to_plain_generate(drafter, tmp_path, capsys):
     """The README's main job, shortened: SmolLM2-135M-Instruct (converted from its GGUF file on first use, into the
-    usual cache) with the shipped drafter, one held-out prompt per domain."""
+    usual cache) with a shipped drafter (the default, or the chat one by its name), one held-out prompt per domain."""
     out = tmp_path / "demo.jsonl"
-    assert main(["demo", "--prompts-per-domain", "1", "--max-new-tokens", "24", "--json", str(out)]) == 0
+    named = [] if drafter is None else ["--drafter", drafter]
+    assert main(["demo", *named, "--prompts-per-domain", "1", "--max-new-tokens", "24", "--json", str(out)]) == 0
     printed = capsys.readouterr()
-    assert "SmolLM2-135M-Instruct" in printed.err and "smollm2-drafter" in printed.err
+    assert "SmolLM2-135M-Instruct" in printed.err and f"{drafter or 'smollm2-drafter'}/drafter" in printed.err
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["domain"] for r in records] == ["chat", "code", "docs", "shell", "math", "changelog"]
     assert all(r["identical"] == r["n"] == 1 for r in records)
     assert "outputs identical to plain generate(): 6/6" in printed.out
+
+
+def test_shipped_drafters_are_named_and_share_the_held_out_prompts():
+    from adaflash_demo import demo
+    from adaflash_hf import AdaFlashConfig
+
+    assert demo.drafter_path(None) == demo.DRAFTER_DIR / "drafter"
+    assert demo.drafter_path("my/own/drafter") == Path("my/own/drafter")
+    blocks = {
+        name: AdaFlashConfig.from_pretrained(demo.drafter_path(name)).block_size for name in demo.SHIPPED_DRAFTERS
+    }
+    assert blocks == {"smollm2-drafter": 16, "smollm2-chat-drafter": 8}
+    # the demo serves the default folder's prompts whichever drafter runs: both ship the same held-out prompts
+    for name in demo.SHIPPED_DRAFTERS:
+        shipped = demo.DATA_DIR / name / "prompts"
+        assert demo.shipped_prompts(data_dir=shipped.parent) == demo.shipped_prompts(), name

@@ -568,6 +568,19 @@ def test_shape_ab_report_has_a_row_per_variant_with_the_old_domains_mean():
     assert len(table) == 5 and table[2].startswith("| base | 600 (0.90) | 3.00 / 1.50x |")
     assert "| - | 2.50 | 0.20 / 1.80 |" in table[3]  # no changelog measured
     assert table[4].startswith("| shipped | - | 3.00 / 1.50x |") and "| 1.25 / 0.50x | 2.50 |" in table[4]
+    # a drafter built elsewhere (`--drafter NAME=PATH`) shows its training steps, without a calibrated pace
+    table = chat_drafter_ab.report({"chat-b8": {**shipped, "steps": 6000}}).splitlines()
+    assert table[2].startswith("| chat-b8 | 6000 | 3.00 / 1.50x |")
+
+
+@pytest.mark.parametrize("entry", ["no-equals-sign", "base=.", "built={missing}", "=."])
+def test_shape_ab_refuses_a_drafter_that_is_not_name_and_saved_folder(entry, tmp_path, capsys):
+    from adaflash_demo.bench import chat_drafter_ab
+
+    with pytest.raises(SystemExit):
+        chat_drafter_ab.main(["--drafter", entry.format(missing=tmp_path), "--out", str(tmp_path / "r.json")])
+    assert "give NAME=PATH" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_checkpoints_are_chosen_by_the_loops_acceptance_on_validation_prompts(chat_build, monkeypatch, word_tokenizer):

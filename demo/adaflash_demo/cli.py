@@ -67,8 +67,8 @@ def load_demo_models(args) -> tuple:
         target, tokenizer = load_target(dtype=dtype)
     except FileNotFoundError as error:
         raise CommandError(f"{error} Or pass --target and --drafter.") from None
-    drafter_path = Path(args.drafter or demo_data.DRAFTER_DIR / "drafter")
-    if not drafter_path.exists() and args.drafter is None:
+    drafter_path = demo_data.drafter_path(args.drafter)
+    if not drafter_path.exists() and (args.drafter is None or args.drafter in demo_data.SHIPPED_DRAFTERS):
         raise CommandError(f"{drafter_path} is missing: reinstall the demo distribution (`pip install ./demo`).")
     drafter = AdaFlashDrafter.from_pretrained(str(drafter_path), dtype=dtype).to(args.device).eval()
     print(f"target: {TARGET_NAME}\ndrafter: {drafter_path}", file=sys.stderr)
@@ -259,7 +259,10 @@ def build_parser():
     from .recipe import make_parser as make_recipe_parser
 
     parser, commands = command_parser("adaflash-demo", "The adaflash-hf demo: SmolLM2-135M-Instruct and its drafter")
-    models = "; default: SmolLM2-135M-Instruct with the shipped drafter"
+    models = (
+        "; default: SmolLM2-135M-Instruct with the shipped drafter (--drafter smollm2-chat-drafter: the shipped one "
+        "distilled from chat requests too)"
+    )
 
     demo_parser = commands.add_parser("demo", help="plain generate() vs AdaFlash, prompt by prompt" + models)
     add_model_arguments(demo_parser, required=False)

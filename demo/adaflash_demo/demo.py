@@ -20,6 +20,20 @@ from .instructions import DOMAINS
 
 DATA_DIR = Path(__file__).parent / "data"
 DRAFTER_DIR = DATA_DIR / "smollm2-drafter"
+# The drafters this distribution ships, by the name `--drafter` takes: the default (block 16, distilled from the four
+# instruction domains) and the one distilled from ShareGPT chat requests too (block 8; BENCHMARKS.md section 23: it
+# accepts more on chat requests and less on math, so the default stays).
+SHIPPED_DRAFTERS = ("smollm2-drafter", "smollm2-chat-drafter")
+
+
+def drafter_path(name_or_path: str | None) -> Path:
+    """The folder of a drafter for the real target: a shipped one by its name (`SHIPPED_DRAFTERS`; ``None``: the
+    default), else the path given."""
+    if name_or_path is None:
+        return DRAFTER_DIR / "drafter"
+    if name_or_path in SHIPPED_DRAFTERS:
+        return DATA_DIR / name_or_path / "drafter"
+    return Path(name_or_path)
 
 
 # The recipe measures on the first 16 held-out prompts of each domain and lets the other 16 decide when training

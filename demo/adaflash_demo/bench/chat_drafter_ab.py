@@ -17,6 +17,12 @@ with the variants it lacks). Two processes, one thread each, share the variants 
 
     OMP_NUM_THREADS=1 taskset -c 0 python -m adaflash_demo.bench.chat_drafter_ab --variants base,block8
     OMP_NUM_THREADS=1 taskset -c 1 python -m adaflash_demo.bench.chat_drafter_ab --variants taps6,layers3
+
+A drafter built outside the A/B (the recipe's full build) is measured by the same harness beside the one the demo
+ships, without training anything:
+
+    python -m adaflash_demo.bench.chat_drafter_ab --variants shipped \
+        --drafter chat-b8=build/smollm2-chat-drafter/drafter --old_prompts 16 --out <file>
 """
 
 from __future__ import annotations
@@ -100,9 +106,9 @@ def calibrate(config: recipe.RecipeConfig, steps: int) -> float:
     return statistics.median(times[1:] or times)
 
 
-def measure(config: recipe.RecipeConfig, args, drafter_dir: Path | None = None) -> dict:
+def measure(config: recipe.RecipeConfig, args, drafter_dir: Path | None = None, label: str | None = None) -> dict:
     """Held-out acceptance (whole block) per domain at batch 8, and step costs at batch 1, of the variant's drafter
-    (or the one in ``drafter_dir``)."""
+    (or the one in ``drafter_dir``, printed as ``label``)."""
     from transformers import GenerationConfig
 
     import adaflash_hf
@@ -118,7 +124,7 @@ def measure(config: recipe.RecipeConfig, args, drafter_dir: Path | None = None) 
     for domain, count in counts + [(UNSEEN_DOMAIN, args.old_prompts)]:
         stats = recipe.heldout_acceptance(target, tokenizer, drafter, layout.prompts, domain, count, args.new_tokens)
         acceptance[domain] = round(stats.mean_acceptance_length, 3)
-        print(f"  {config.run_name} {domain}: acceptance {acceptance[domain]}", flush=True)
+        print(f"  {label or config.run_name} {domain}: acceptance {acceptance[domain]}", flush=True)
 
     # Costs at batch 1 on chat prompts: plain forwards timed by hooks, the loop's draft and verification per step.
     rows = recipe.evaluation_prompts(layout.prompts, "chat", args.cost_prompts)
@@ -179,7 +185,9 @@ def report(results: dict) -> str:
         accepted, modelled = row["acceptance"], row["modelled_speedup"]
         cells = [f"{accepted[d]:.2f} / {modelled[d]:.2f}x" if d in accepted else "-" for d in domains]
         old = sum(accepted[d] for d in OLD_DOMAINS) / len(OLD_DOMAINS)
-        steps = "-" if row["steps"] is None else f"{row['steps']} ({row['calibrated_step_s']:.2f})"
+        steps = "-" if row["steps"] is None else str(row["steps"])
+        if row["calibrated_step_s"] is not None:
+            steps += f" ({row['calibrated_step_s']:.2f})"
         lines.append(
             f"| {name} | {steps} | " + " | ".join(cells) + f" | {old:.2f} | "
             f"{row['draft_in_plain_steps']:.2f} / {row['verify_in_plain_steps']:.2f} |"
@@ -218,12 +226,36 @@ def main(argv=None) -> None:
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--out", default="demo/adaflash_demo/bench/results/smollm2_chat_drafter_ab.json")
     parser.add_argument("--report", action="store_true", help="Only print the results in --out as a markdown table.")
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="Also measure a drafter already built (a recipe's `drafter` folder or any saved drafter), beside the "
+        "variants and without training, as the row NAME; repeatable.",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.report:
         print(report(json.loads(out.read_text())))
         return
-    for name in args.variants.split(","):
+    built = {}
+    for entry in args.drafter:
+        name, _, path = entry.partition("=")
+        if not name or not path or name in VARIANTS or not (Path(path) / "config.json").exists():
+            parser.error(
+                f"--drafter {entry!r}: give NAME=PATH, a name other than the variants' and the folder of a saved "
+                "drafter (with its config.json)"
+            )
+        built[name] = Path(path)
+    for name, path in built.items():
+        if name in (json.loads(out.read_text()) if out.exists() else {}):
+            continue
+        log = path / "training_log.json"
+        steps = json.loads(log.read_text())["steps"] if log.exists() else None
+        result = {"overrides": {}, "calibrated_step_s": None, "steps": steps, "train_s": None, "path": str(path)}
+        _save(out, name, {**result, **measure(variant_config("shipped", args), args, path, label=name)}, args)
+    for name in filter(None, args.variants.split(",")):
         if name not in VARIANTS:
             parser.error(f"unknown variant {name!r}; the variants are {', '.join(VARIANTS)}")
         done = json.loads(out.read_text()) if out.exists() else {}
