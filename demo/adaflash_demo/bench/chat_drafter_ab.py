@@ -40,6 +40,7 @@ from adaflash_hf.machine import machine_info, machine_summary
 from adaflash_hf.utils import write_json_atomic
 
 from .. import recipe
+from ..demo import drafter_path
 
 CONFIG = "demo/recipes/smollm2-chat-drafter.yaml"
 # The variants against the shipped drafter's shape (`base`: 2 layers, target layers [1, 10, 19, 27], block 16, OPD,
@@ -59,7 +60,7 @@ VARIANTS: dict[str, dict] = {
 OLD_DOMAINS = ("code", "docs", "shell", "math")
 UNSEEN_DOMAIN = "changelog"
 # `shipped` trains nothing: it measures the drafter the demo ships, for a side-by-side with the variants.
-SHIPPED_DRAFTER = Path(__file__).parents[1] / "data" / "smollm2-drafter" / "drafter"
+SHIPPED_DRAFTER = drafter_path(None)
 CURVE_KEYS = ("eval_acceptance_length", "eval_step_acceptance_length", recipe.LOOP_METRIC)
 
 

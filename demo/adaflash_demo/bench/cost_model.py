@@ -145,7 +145,7 @@ def main(argv=None) -> None:
     from .. import demo, smollm2
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafter", default=str(demo.DRAFTER_DIR / "drafter"))
+    parser.add_argument("--drafter", default=str(demo.drafter_path(None)))
     parser.add_argument("--batch-sizes", default="1,4,8,16,32")
     parser.add_argument("--lengths", default="1,2,4,8,16")
     parser.add_argument("--context", type=int, default=256)

@@ -44,7 +44,7 @@ from ..cli import chosen_prompts, load_demo_models
 
 def random_drafter(folder: str, seed: int = 1) -> str:
     """Saves a randomly initialised drafter of the shipped drafter's shape in ``folder``; returns the folder."""
-    shipped = AdaFlashDrafter.from_pretrained(str(demo_data.DRAFTER_DIR / "drafter"))
+    shipped = AdaFlashDrafter.from_pretrained(str(demo_data.drafter_path(None)))
     torch.manual_seed(seed)
     AdaFlashDrafter(shipped.config).save_pretrained(folder)
     return folder
