@@ -156,5 +156,4 @@ def test_shipped_drafters_are_named_and_share_the_held_out_prompts():
     assert blocks == {"smollm2-drafter": 16, "smollm2-chat-drafter": 8}
     # the demo serves the default folder's prompts whichever drafter runs: both ship the same held-out prompts
     for name in demo.SHIPPED_DRAFTERS:
-        shipped = demo.DATA_DIR / name / "prompts"
-        assert demo.shipped_prompts(data_dir=shipped.parent) == demo.shipped_prompts(), name
+        assert demo.shipped_prompts(data_dir=demo.DATA_DIR / name) == demo.shipped_prompts(), name

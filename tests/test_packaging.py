@@ -118,7 +118,9 @@ def test_demo_wheel_carries_the_demo_artifacts_and_no_results(wheels):
     names = set(zipfile.ZipFile(wheels[1]).namelist())
     packages = {".".join(Path(n).parent.parts) for n in names if n.endswith("/__init__.py")}
     assert packages == _source_packages(REPO / "demo", "adaflash_demo")
-    for drafter in ("smollm2-drafter", "smollm2-chat-drafter"):  # adaflash_demo.demo.SHIPPED_DRAFTERS
+    from adaflash_demo.demo import SHIPPED_DRAFTERS
+
+    for drafter in SHIPPED_DRAFTERS:
         shipped = REPO / "demo" / "adaflash_demo" / "data" / drafter
         expected = {path.relative_to(REPO / "demo").as_posix() for path in shipped.rglob("*") if path.is_file()}
         assert expected and expected <= names, drafter
