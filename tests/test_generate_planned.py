@@ -289,6 +289,28 @@ def test_one_lucky_probe_does_not_start_drafting_where_the_acceptance_it_shows_c
     assert not probe([8], costs=cheap)._promoted and probe([7, 8], costs=cheap)._promoted
 
 
+def test_a_profile_whose_only_drafted_width_was_dear_does_not_lock_drafting_out():
+    # a profile persisted by calls on prompts that drafted badly: the one drafted width it measured, 2 tokens, cost
+    # two plain steps (a step's fixed costs; a forward's cost hardly grows from 2 tokens to 16 on a CPU core)
+    costs = {(1, 1): 1.0, (1, 2): 2.0}
+    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, probe_s={1: 0.2}, acceptance=0.1)
+    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"))
+    planner._shadows = {0: [[7] * 15, 0, False, False]}
+    planner.score_shadows([0], [[7] * 15])  # the probe's whole block matched
+    # priced in proportion to width beyond width 2, no width could ever pay, and nothing wider would be measured
+    assert planner._promoted
+    widths = []
+    for cost in (2.05, 2.1, 2.1, 2.15, 2.2):  # each width runs once, is measured, and the next one is tried
+        width = planner.width([0], 16)
+        widths.append(width)
+        planner.table.observe(1, width, cost)
+        planner.successes[0] += width - 1
+        planner.trials[0] += width - 1
+    assert widths == [3, 4, 5, 6, 7]
+    # one token beyond the widest measured is priced at the widest's cost, wider ones still in proportion
+    assert table.cost(1, 8) == pytest.approx(2.2) and table.cost(1, 9) == pytest.approx(2.2 * 9 / 7)
+
+
 def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step():
     # at batch 8 a draft can cost as much as a plain step: the back-off alone (4, 8, 16 steps) would spend a tenth
     # of the time on probes

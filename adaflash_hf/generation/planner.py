@@ -12,10 +12,11 @@ decoding step. Both sides are measured, never assumed:
   `PLAIN_SAMPLES` steps measured it. A wider step's cost is kept in plain steps of its row count: when the plain
   step's cost moves (a longer context, a slower moment of a shared machine), the wider costs move with it
   (`CostTable._follow_plain`), so a timing burst that lifts the plain step's price does not make every wider step
-  look good. An unmeasured width is interpolated linearly between the measured widths of the same ``R``, and
-  bounded from above outside them (wider than the widest: in proportion to width; narrower than the narrowest: its
-  cost), and an ``R`` that did not measure a width borrows, in its own plain steps, the nearest row count's that
-  did (rows leave a batch one by one as they finish; `_estimate`). The table lives in the pair's
+  look good. An unmeasured width is interpolated linearly between the measured widths of the same ``R``; narrower
+  than the narrowest it costs the narrowest's cost, one token wider than the widest the widest's (a lower bound, so
+  it runs once where drafting pays and is measured), wider still in proportion to width (an upper bound); an ``R``
+  that did not measure a width borrows, in its own plain steps, the nearest row count's that did (rows leave a batch
+  one by one as they finish; `_estimate`). The table lives in the pair's
   `profile.RuntimeProfile`, per device and dtype, so a later ``generate()`` call starts from what earlier ones
   measured.
 * **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
@@ -25,8 +26,9 @@ decoding step. Both sides are measured, never assumed:
 
 The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / S(R, w)``; ``w = 1`` is a plain
 step. Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer
-drafts would save nothing. Wider widths are measured one at a time: when a drafted width wins and the next one was
-never measured, the step runs at that next width instead (once per width, pair and process). While plain steps win,
+drafts would save nothing. Wider widths are measured one at a time: the next width beyond the widest measured wins
+where drafting pays at the widest's cost, and a width between measured ones runs once when the width below it wins
+(once per width, pair and process). While plain steps win,
 no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval doubles (up
 to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the probes'
 cost within `PROBE_BUDGET` (1%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs its
@@ -197,11 +199,7 @@ class CostTable:
         draft = (self.draft(rows) or 0.0) if drafted else 0.0
         priced = []
         for width in widths:
-
-            def beyond(widest: int, seconds: float, width=width) -> float:
-                return seconds if width == widest + 1 else seconds * width / widest
-
-            forward = _estimate(curves, rows, width, beyond, self.plain_cost)
+            forward = _estimate(curves, rows, width, _beyond_widest(width), self.plain_cost)
             priced.append(None if forward is None else forward + draft)
         return priced
 
@@ -298,16 +296,16 @@ class CostTable:
     def cost(self, rows: int, width: int) -> float | None:
         """Seconds of a step of ``rows`` rows at ``width``: a plain step's (``width == 1``, `plain_cost`), or a
         drafted step's from the drafted steps measured (`_estimate`, which prices a row count without them in plain
-        steps of its own); ``None`` when none of that kind was measured. Beyond the widest measured width, an upper
-        bound, so an unmeasured width is chosen only if it pays even then (and `VerificationPlanner.width` measures
-        the next width once drafting wins): in proportion to width (a forward's cost grows sublinearly with width,
-        and a step has fixed costs besides)."""
+        steps of its own); ``None`` when none of that kind was measured. Beyond the widest measured width as
+        `_beyond_widest` prices it: the next width at the widest's cost, so it runs once where drafting pays and is
+        then priced by what it cost. An upper bound alone would lock drafting out wherever the widest measured step
+        was dear: a profile whose one drafted width, 2 tokens, cost two plain steps (a step's fixed costs) prices 16
+        tokens at 16 plain steps, so no probe, however well its block matched, would start drafting, and no wider
+        width would ever be measured (BENCHMARKS.md section 23)."""
         if width == 1:
             return self.plain_cost(rows)
         costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
-        return _estimate(
-            _curves(costs), rows, width, lambda widest, seconds: seconds * width / widest, self.plain_cost
-        )
+        return _estimate(_curves(costs), rows, width, _beyond_widest(width), self.plain_cost)
 
     def plain_cost(self, rows: int) -> float | None:
         """Seconds of a plain step of ``rows`` rows: its measured cost, or the nearest measured row count's; at most
@@ -327,6 +325,19 @@ def _depth_counts(tokens: int) -> torch.Tensor:
     counts[: min(tokens, PATH_DEPTHS)] = 1.0
     counts[-1] += max(0, tokens - PATH_DEPTHS)
     return counts
+
+
+def _beyond_widest(width: int):
+    """How `_estimate` prices ``width`` beyond the widest measured width: one token wider at the widest's cost (a
+    lower bound: a forward's cost never falls as it widens, so the next width wins where drafting pays, runs once and
+    is measured), wider still in proportion to width (an upper bound: a forward's cost grows sublinearly with its
+    tokens). Widths are thus explored one token at a time, and a wide step is never priced as a narrow one (at batch 8
+    and 32 each token a row verifies costs most of a plain step)."""
+
+    def beyond(widest: int, seconds: float) -> float:
+        return seconds if width == widest + 1 else seconds * width / widest
+
+    return beyond
 
 
 def _nearest_rows(counts, rows: int) -> int:
@@ -674,9 +685,10 @@ class VerificationPlanner:
         committed[0] = float(count)  # a plain step commits exactly one token per row
         rates = {width: committed[width - 1] / table.cost(count, width) for width in range(1, max_width + 1)}
         width = max(rates, key=rates.get)
-        if 1 < width < max_width and not table.measured(width + 1):
-            # The next width is costed by an upper bound (beyond the measured widths) or an interpolation, so it may
-            # win only once measured: one step there measures it (each width once per pair and process).
+        if 1 < width < max_width and table.measured(width) and not table.measured(width + 1):
+            # The next width is costed by an interpolation between measured widths, so it may win only once
+            # measured: one step there measures it (each width once per pair and process). One beyond the widest
+            # measured is priced at the widest's cost (`_beyond_widest`) and wins on its own where drafting pays.
             width += 1
         self.last_prediction = {"predicted_step_s": table.cost(count, width), "predicted_tokens": committed[width - 1]}
         return width
@@ -729,8 +741,9 @@ class VerificationPlanner:
     def shadow_gain(self) -> float | None:
         """How much faster than plain steps a drafted step would commit tokens after this probe, at the best width,
         each width at what the table says it costs (`CostTable.cost`: measured, interpolated between measured widths,
-        bounded above beyond them) or, before any drafted step was measured, at the cheapest a drafted step can cost
-        (a plain step plus the measured draft); ``None`` before anything can be said.
+        the next width beyond them at the widest's cost, wider ones bounded above) or, before any drafted step was
+        measured, at the cheapest a drafted step can cost (a plain step plus the measured draft); ``None`` before
+        anything can be said.
 
         A width's tokens are the fewer of what the probe's block would have committed and what the geometric model
         expects (`expected_committed`) with each row's ``p`` estimated from the probe's matched drafts and its
@@ -778,7 +791,7 @@ class VerificationPlanner:
         committed = powers.sum(0).cumsum(0).tolist()  # entry w - 1: expected tokens at width w, summed over rows
         rates = {w: committed[w - 1] / table.cost(count, w) for w in range(2, max_width + 1)}
         width = max(rates, key=rates.get)
-        if width < max_width and not table.measured(width + 1):
+        if width < max_width and table.measured(width) and not table.measured(width + 1):
             width += 1  # measure the next width once (as `width` does)
         # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j
         self._expected_accepted = powers[:, 1:width].sum(1)
