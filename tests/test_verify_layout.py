@@ -13,18 +13,27 @@ from adaflash_hf.generation import verify_layout
 from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import VerificationPlanner
 from adaflash_hf.generation.profile import LAYOUT_TRIALS, RuntimeProfile, profile_for
-from adaflash_hf.generation.verify_layout import KERNELS, OneDNNLinear, TransposedLinear, VerifyLayout
+from adaflash_hf.generation.verify_layout import (
+    BLOCK_ROWS,
+    KERNELS,
+    BlockedLinear,
+    OneDNNLinear,
+    TransposedLinear,
+    VerifyLayout,
+)
 
-ROUTED = [TransposedLinear, OneDNNLinear]
+ROUTED = [TransposedLinear, OneDNNLinear, BlockedLinear]
 
 
 @pytest.mark.parametrize("kernel", ROUTED)
 @pytest.mark.parametrize("shape", [(3, 16), (2, 3, 16), (1, 1, 16)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_every_kernel_computes_linear(kernel, shape, with_bias):
+# fewer rows than two blocks, whole blocks only, and whole blocks with the rest
+@pytest.mark.parametrize("rows", [24, 2 * BLOCK_ROWS, 3 * BLOCK_ROWS + 5])
+def test_every_kernel_computes_linear(kernel, shape, with_bias, rows):
     torch.manual_seed(0)
-    x, weight = torch.randn(*shape), torch.randn(24, 16)
-    bias = torch.randn(24) if with_bias else None
+    x, weight = torch.randn(*shape), torch.randn(rows, 16)
+    bias = torch.randn(rows) if with_bias else None
     with kernel():
         out = torch.nn.functional.linear(x, weight, bias)
         by_keyword = torch.nn.functional.linear(x, weight=weight, bias=bias)
@@ -36,6 +45,14 @@ def test_every_kernel_computes_linear(kernel, shape, with_bias):
     torch.testing.assert_close(
         out, (weight @ x.reshape(-1, 16).T).T.reshape(expected.shape) + (0 if bias is None else bias)
     )
+
+
+def test_the_blocked_kernel_takes_a_weight_it_cannot_view_in_blocks_as_linear_does():
+    torch.manual_seed(0)
+    x, weight = torch.randn(4, 3 * BLOCK_ROWS), torch.randn(3 * BLOCK_ROWS, 3 * BLOCK_ROWS).t()  # not contiguous
+    with BlockedLinear():
+        out = torch.nn.functional.linear(x, weight)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight)) and out.is_contiguous()
 
 
 def test_transposed_layout_leaves_other_dtypes_alone():

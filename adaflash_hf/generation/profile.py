@@ -36,7 +36,7 @@ from .measured import MeasuredChoice
 from .planner import CostTable
 from .verify_layout import KERNELS, kernels_for
 
-PROFILE_FORMAT = 2  # 2: verification kernels measured among three (a format-1 file knew two)
+PROFILE_FORMAT = 3  # 3: verification kernels measured among four (format 2 knew three, format 1 two)
 PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
 SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
 HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides
@@ -54,7 +54,7 @@ class RuntimeProfile:
         lock (`threading.RLock`): guards every table below.
         head_dtypes (`MeasuredChoice`): float32 or bfloat16 for the draft head, by (device, head shape, vocabulary).
         layouts (`MeasuredChoice`): the linear kernel of the loop's forwards (``"linear"``, ``"transposed"``,
-            ``"onednn"``: `verify_layout.KERNELS`), by `verify_layout.measured_key` of their tokens.
+            ``"onednn"``, ``"blocked"``: `verify_layout.KERNELS`), by `verify_layout.measured_key` of their tokens.
     """
 
     def __init__(self):

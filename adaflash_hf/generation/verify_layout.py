@@ -1,20 +1,20 @@
 """The kernel of the target's linear layers in the decoding loop's forwards on a CPU, measured.
 
-A verification forward multiplies the ``M = rows x width`` tokens it verifies by every weight matrix of the target.
-A plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small
-``M > 1`` the product should cost about as much (the weights are read once either way), but float32 ``linear``
-(``x @ W.T``) can take a GEMM path that makes a forward of 2-3 tokens cost as much as one of 8 or 16 (BENCHMARKS.md
-§3), while other kernels for the same product cost less at some ``M``: the transposed product ``(W @ x.T).T`` (the
-BLAS's matrix-times-few-columns path) and oneDNN's inner product on the weights as they are (no reordered copy, so
-no memory beyond the model's). Which wins depends on the BLAS library, the CPU and the memory around the forward, so
-none is assumed: for each ``M`` (`measured_key`: every count from 1 to 16, then one key per power of two up to
-`MAX_MEASURED_TOKENS`), the first forwards rotate through the kernels (`kernels_for`), timed whole in the loop
-(`measured.py`), and another kernel than the model's own is kept, in the pair's `profile.RuntimeProfile`, only if it
-is at least 10% faster; every other forward runs as the model wrote it. A plain step of the loop is a forward of
-``M = rows`` tokens like any other, so it runs the kernel measured for its ``M`` too (a matrix-vector product at
-batch 1, where oneDNN's can beat the BLAS's with several threads). Plain ``generate()``, the benchmarks' baseline,
-runs the model's own.
-BENCHMARKS.md §12 has the kernels' costs per machine (``python -m adaflash_demo.bench.kernels``).
+A verification forward multiplies the ``M = rows x width`` tokens it verifies by every weight matrix of the target. A
+plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small ``M >
+1`` the product should cost about as much (the weights are read once either way), but float32 ``linear`` (``x @ W.T``)
+can take a GEMM path that makes a forward of 2-3 tokens cost as much as one of 8 or 16 (BENCHMARKS.md §3), while other
+kernels for the same product cost less at some ``M``: the transposed product ``(W @ x.T).T`` (the BLAS's
+matrix-times-few-columns path), oneDNN's inner product on the weights as they are (no reordered copy, so no memory
+beyond the model's) and a batched product over blocks of the weight's rows (`BlockedLinear`). Which wins depends on the
+BLAS library, the CPU and the memory around the forward, so none is assumed: for each ``M`` (`measured_key`: every
+count from 1 to 16, then one key per power of two up to `MAX_MEASURED_TOKENS`), the first forwards rotate through the
+kernels (`kernels_for`), timed whole in the loop (`measured.py`), and another kernel than the model's own is kept, in
+the pair's `profile.RuntimeProfile`, only if it is at least 10% faster; every other forward runs as the model wrote it.
+A plain step of the loop is a forward of ``M = rows`` tokens like any other, so it runs the kernel measured for its
+``M`` too (a matrix-vector product at batch 1, where oneDNN's can beat the BLAS's with several threads). Plain
+``generate()``, the benchmarks' baseline, runs the model's own.
+BENCHMARKS.md §12, §14 and §24 have the kernels' costs per machine (``python -m adaflash_demo.bench.kernels``).
 
 Lossless: every kernel computes the same sums of the same float32 products, in another order, as any change of GEMM
 shape does (verifying 8 tokens already sums differently from decoding 1); the target still verifies every committed
@@ -98,7 +98,34 @@ class OneDNNLinear(_RoutedLinear):
         return torch.ops.mkldnn._linear_pointwise(flat, weight, None, "none", [], "")
 
 
-KERNELS = {"linear": contextlib.nullcontext, "transposed": TransposedLinear, "onednn": OneDNNLinear}
+class BlockedLinear(_RoutedLinear):
+    """Computes ``linear(x, W, b)`` as one batched product over blocks of `BLOCK_ROWS` rows of ``W``: ``[M, K]`` times
+    each ``[K, BLOCK_ROWS]`` block, the rows beyond the last whole block by ``linear``. At a few tokens (``M`` of 4 to
+    12) the BLAS's product over the whole weight reaches a fraction of the core's arithmetic, so a forward of 8 tokens
+    costs twice a plain step on some machines; a block's product is small enough to run at the speed of a product
+    whose weight sits in cache, and the weight is still read once (BENCHMARKS.md section 24)."""
+
+    def product(self, flat, weight):
+        rows = weight.shape[0]
+        blocks = rows // BLOCK_ROWS
+        if blocks < 2 or not weight.is_contiguous():
+            return torch.nn.functional.linear(flat, weight)
+        whole = blocks * BLOCK_ROWS
+        stacked = weight[:whole].view(blocks, BLOCK_ROWS, weight.shape[1])
+        out = torch.bmm(flat.expand(blocks, -1, -1), stacked.transpose(1, 2))  # [blocks, M, BLOCK_ROWS]
+        out = out.transpose(0, 1).reshape(flat.shape[0], whole)
+        if whole < rows:
+            out = torch.cat([out, torch.nn.functional.linear(flat, weight[whole:])], dim=1)
+        return out
+
+
+BLOCK_ROWS = 64
+KERNELS = {
+    "linear": contextlib.nullcontext,
+    "transposed": TransposedLinear,
+    "onednn": OneDNNLinear,
+    "blocked": BlockedLinear,
+}
 VERIFY_LAYOUTS = ("auto", *KERNELS)
 
 
