@@ -24,17 +24,17 @@ decoding step. Both sides are measured, never assumed:
   ``p`` is estimated per row from its accepted and offered drafts (accepted drafts are successes, a rejection is one
   failure), shrunk towards the batch's pooled estimate, which starts from the process's last value for this pair.
 
-The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / S(R, w)``; ``w = 1`` is a plain
-step. Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer
-drafts would save nothing. Wider widths are measured one at a time: the next width beyond the widest measured wins
-where drafting pays at the widest's cost, and a width between measured ones runs once when the width below it wins
-(once per width, pair and process). While plain steps win,
-no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval doubles (up
-to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the probes'
-cost within `PROBE_BUDGET` (1%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs its
-draft and the drafter's reading of the context queued since the last draft (`CostTable.probe_s`, apart from a
-drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1, and at batch 8 a call's first
-probe, which reads the whole prompt, more than a whole one (BENCHMARKS.md section 18).
+The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / S(R, w)``; ``w = 1`` is a plain step.
+Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer drafts
+would save nothing. Wider widths are measured one at a time: the next width beyond the widest measured wins where
+drafting pays at the widest's cost, and a width between measured ones runs once when the width below it wins (once per
+width, pair and process). While plain steps win, no acceptance is observed, so the planner probes after
+``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not
+change the choice; it is never shorter than keeps the probes' cost within `PROBE_BUDGET` (1%) of the plain steps' time
+(`VerificationPlanner.probe_interval`). A probe costs its draft and the drafter's reading of the context queued since
+the last draft (`CostTable.probe_s`, apart from a drafted step's draft, `CostTable.draft_s`): a small part of a plain
+step at batch 1, and at batch 8 a call's first probe, which reads the whole prompt, more than a whole one
+(BENCHMARKS.md section 18).
 
 **Probes verify nothing.** A probe is a *shadow* step: the drafter drafts its block, but the target verifies only the
 anchor, as in a plain step, and the block is scored against the tokens the target then commits on its own: the
@@ -294,14 +294,14 @@ class CostTable:
         return any(w == width for _, w in self.step_s)
 
     def cost(self, rows: int, width: int) -> float | None:
-        """Seconds of a step of ``rows`` rows at ``width``: a plain step's (``width == 1``, `plain_cost`), or a
-        drafted step's from the drafted steps measured (`_estimate`, which prices a row count without them in plain
-        steps of its own); ``None`` when none of that kind was measured. Beyond the widest measured width as
-        `_beyond_widest` prices it: the next width at the widest's cost, so it runs once where drafting pays and is
-        then priced by what it cost. An upper bound alone would lock drafting out wherever the widest measured step
-        was dear: a profile whose one drafted width, 2 tokens, cost two plain steps (a step's fixed costs) prices 16
-        tokens at 16 plain steps, so no probe, however well its block matched, would start drafting, and no wider
-        width would ever be measured (BENCHMARKS.md section 23)."""
+        """Seconds of a step of ``rows`` rows at ``width``: a plain step's (``width == 1``, `plain_cost`), or a drafted
+        step's from the drafted steps measured (`_estimate`, which prices a row count without them in plain steps of
+        its own); ``None`` when none of that kind was measured. Beyond the widest measured width as `_beyond_widest`
+        prices it: the next width at the widest's cost, so it runs once where drafting pays and is then priced by what
+        it cost. An upper bound alone would lock drafting out wherever the widest measured step was dear: a profile
+        whose one drafted width, 2 tokens, cost two plain steps (the draft, and a BLAS whose products of a few rows are
+        slow) prices 16 tokens at 16 plain steps, so no probe, however well its block matched, would start drafting,
+        and no wider width would ever be measured (BENCHMARKS.md section 23)."""
         if width == 1:
             return self.plain_cost(rows)
         costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}

@@ -1,17 +1,17 @@
 """The kernel of the target's linear layers in the decoding loop's forwards on a CPU, measured.
 
 A verification forward multiplies the ``M = rows x width`` tokens it verifies by every weight matrix of the target. A
-plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small ``M >
-1`` the product should cost about as much (the weights are read once either way), but float32 ``linear`` (``x @ W.T``)
-can take a GEMM path that makes a forward of 2-3 tokens cost as much as one of 8 or 16 (BENCHMARKS.md §3), while other
-kernels for the same product cost less at some ``M``: the transposed product ``(W @ x.T).T`` (the BLAS's
-matrix-times-few-columns path), oneDNN's inner product on the weights as they are (no reordered copy, so no memory
-beyond the model's) and a batched product over blocks of the weight's rows (`BlockedLinear`). Which wins depends on the
-BLAS library, the CPU and the memory around the forward, so none is assumed: for each ``M`` (`measured_key`: every
-count from 1 to 16, then one key per power of two up to `MAX_MEASURED_TOKENS`), the first forwards rotate through the
-kernels (`kernels_for`), timed whole in the loop (`measured.py`), and another kernel than the model's own is kept, in
-the pair's `profile.RuntimeProfile`, only if it is at least 10% faster; every other forward runs as the model wrote it.
-A plain step of the loop is a forward of ``M = rows`` tokens like any other, so it runs the kernel measured for its
+plain decoding step at batch 1 (``M = 1``) is a matrix-vector product that streams each weight once; for a small
+``M > 1`` the product should cost about as much (the weights are read once either way), but float32 ``linear``
+(``x @ W.T``) can take a GEMM path that makes a forward of 2-3 tokens cost as much as one of 8 or 16 (BENCHMARKS.md
+§3), while other kernels for the same product cost less at some ``M``: the transposed product ``(W @ x.T).T`` (the
+BLAS's matrix-times-few-columns path), oneDNN's inner product on the weights as they are (no reordered copy, so no
+memory beyond the model's) and a batched product over blocks of the weight's rows (`BlockedLinear`). Which wins depends
+on the BLAS library, the CPU and the memory around the forward, so none is assumed: for each ``M`` (`measured_key`:
+every count from 1 to 16, then one key per power of two up to `MAX_MEASURED_TOKENS`), the first forwards rotate through
+the kernels (`kernels_for`), timed whole in the loop (`measured.py`), and another kernel than the model's own is kept,
+in the pair's `profile.RuntimeProfile`, only if it is at least 10% faster; every other forward runs as the model wrote
+it. A plain step of the loop is a forward of ``M = rows`` tokens like any other, so it runs the kernel measured for its
 ``M`` too (a matrix-vector product at batch 1, where oneDNN's can beat the BLAS's with several threads). Plain
 ``generate()``, the benchmarks' baseline, runs the model's own.
 BENCHMARKS.md §12, §14 and §24 have the kernels' costs per machine (``python -m adaflash_demo.bench.kernels``).
