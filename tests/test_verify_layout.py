@@ -135,6 +135,22 @@ def test_measured_choice_rotates_through_every_option_and_keeps_the_fastest():
     assert choice.chosen(5) == "a"  # the fastest candidate within the margin: the baseline stays
 
 
+def test_measured_choice_times_a_candidate_far_slower_than_the_baseline_no_more():
+    choice = MeasuredChoice("a", ("b", "c"), trials=2, margin=0.9, drop=1.25)
+    seen = []
+    while choice.chosen(4) is None:
+        option = choice.next_trial(4)
+        seen.append(option)
+        choice.record(4, option, {"a": 1.0, "b": 2.2, "c": 0.6}[option])
+    assert seen == ["a", "b", "c", "a", "c"] and choice.chosen(4) == "c"  # b's one trial showed it out of reach
+    seen = []
+    while choice.chosen(5) is None:  # slower, but not far: timed as often as the others, and not kept
+        option = choice.next_trial(5)
+        seen.append(option)
+        choice.record(5, option, {"a": 1.0, "b": 1.2, "c": 1.1}[option])
+    assert seen == ["a", "b", "c"] * 2 and choice.chosen(5) == "a"
+
+
 def test_token_counts_are_measured_each_up_to_16_then_per_power_of_two():
     assert [verify_layout.measured_key(m) for m in (0, 1, 2, 3, 15, 16)] == [None, 1, 2, 3, 15, 16]
     assert [verify_layout.measured_key(m) for m in (17, 32, 33, 100, 128, 129, 512, 513)] == [

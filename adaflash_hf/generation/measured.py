@@ -6,7 +6,9 @@ loop on the same machine; the target's float32 GEMMs on 2-7 tokens (`verify_layo
 than the other inside a forward, which a microbenchmark with the weights in cache does not show (BENCHMARKS.md §3).
 So the loop times them where they are used: the first calls of each key rotate through the options (the one timed
 fewest times runs next, so all see the same conditions), and after `trials` timings of each the fastest candidate
-by median is kept if it beats the baseline by the margin, else the baseline.
+by median is kept if it beats the baseline by the margin, else the baseline. A trial of a slow option is a slow step
+of the caller's, so a candidate that one timing shows far slower than the baseline (``drop``) is timed no more for
+that key: it could win only by a timing error several times the spread of a step's time.
 
 Generations in several threads may share a key (transformers' generate() is thread-safe per call), so the
 bookkeeping is locked (with the lock of the `profile.RuntimeProfile` that owns the choice); the timed work itself is
@@ -32,13 +34,18 @@ class MeasuredChoice:
         lock (`threading.RLock`, *optional*): the lock guarding the bookkeeping (its owner's; a new one by default).
         candidates_for (`Callable`, *optional*): ``key -> candidates`` timed for that key (a subset of
             ``candidates``; all of them by default), where some are known not to be worth their trials.
+        drop (`float`, *optional*): a candidate timed above ``drop`` times the baseline's median so far is timed no
+            more for that key (never, by default).
     """
 
-    def __init__(self, baseline, candidates: tuple, trials: int, margin: float, lock=None, candidates_for=None):
+    def __init__(
+        self, baseline, candidates: tuple, trials: int, margin: float, lock=None, candidates_for=None, drop=None
+    ):
         self.baseline, self.candidates = baseline, tuple(candidates)
         self.candidates_for = candidates_for
         self.trials_per_option = trials
         self.margin = margin
+        self.drop = drop
         self.choices: dict[Hashable, object] = {}  # key -> the option kept
         self.timings: dict[Hashable, dict[object, list[float]]] = {}  # key -> option -> seconds, while measuring
         self._lock = threading.RLock() if lock is None else lock
@@ -69,6 +76,10 @@ class MeasuredChoice:
             if timings is None:  # another thread's timing decided it meanwhile
                 return
             timings[option].append(seconds)
+            baseline = timings[self.baseline]
+            if self.drop is not None and option != self.baseline and baseline:
+                if seconds > self.drop * statistics.median(baseline):
+                    del timings[option]
             if all(len(times) >= self.trials_per_option for times in timings.values()):
                 medians = {option: statistics.median(times) for option, times in timings.items()}
                 best = min(medians, key=lambda option: (option == self.baseline, medians[option]))

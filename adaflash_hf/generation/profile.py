@@ -41,6 +41,9 @@ PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
 SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
 HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides
 LAYOUT_TRIALS = 2  # timed forwards of each layout per token count (a forward costs about a plain step)
+# A kernel whose timed forward costs this many times the model's own is timed no more for that token count: four
+# kernels' trials of two forwards each are the dearest steps of a pair's first calls (BENCHMARKS.md section 24)
+LAYOUT_DROP = 1.25
 
 # drafter -> target -> profile; weak on both sides, so a profile leaves with either model
 _PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -59,12 +62,19 @@ class RuntimeProfile:
 
     def __init__(self):
         self.lock = threading.RLock()
-        # bfloat16 only if it wins by 20%; another verification kernel only if it wins by 10%
+        # bfloat16 only if it wins by 20%; another verification kernel only if it wins by 10%, and a kernel one
+        # forward shows a quarter slower than the model's own is not timed again (`LAYOUT_DROP`)
         self.head_dtypes = MeasuredChoice(
             torch.float32, (torch.bfloat16,), trials=HEAD_DTYPE_TRIALS, margin=0.8, lock=self.lock
         )
         self.layouts = MeasuredChoice(
-            "linear", tuple(KERNELS)[1:], trials=LAYOUT_TRIALS, margin=0.9, lock=self.lock, candidates_for=kernels_for
+            "linear",
+            tuple(KERNELS)[1:],
+            trials=LAYOUT_TRIALS,
+            margin=0.9,
+            lock=self.lock,
+            candidates_for=kernels_for,
+            drop=LAYOUT_DROP,
         )
         self._cost_tables: dict[tuple[str, str], CostTable] = {}
         # (dtype, vocabulary key) -> (the weight it was made from, its version then, the copy)
