@@ -85,7 +85,9 @@ def summary_tables(records) -> str:
     for r in records:
         if r.batch_size == 1:
             batch_one[r.method][r.domain] = r
-    lines = ["| method | " + " | ".join(domains) + " | mean speedup | pooled |", "|" + "---|" * (len(domains) + 3)]
+    lines = []
+    if domains:  # a run of larger batch sizes only has the sweep
+        lines = ["| method | " + " | ".join(domains) + " | mean speedup | pooled |", "|" + "---|" * (len(domains) + 3)]
     for method, by_domain in sorted(batch_one.items()):
         cells = [_batch_one_cell(by_domain[d]) if d in by_domain else "-" for d in domains]
         mean = sum(r.speedup for r in by_domain.values()) / len(by_domain)
@@ -95,7 +97,7 @@ def summary_tables(records) -> str:
     for r in records:
         sweep[(r.batch_size, r.method)].append(r)
     lines += [
-        "",
+        *([""] if lines else []),
         "| batch | method | tokens/s | speedup vs plain | pooled | acceptance length | verified tokens per emitted "
         "token | padding share of verified |",
         "|---|---|---|---|---|---|---|---|",
