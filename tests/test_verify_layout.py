@@ -151,6 +151,12 @@ def test_measured_choice_times_a_candidate_far_slower_than_the_baseline_no_more(
     assert seen == ["a", "b", "c"] * 2 and choice.chosen(5) == "a"
 
 
+def test_each_token_count_times_only_the_kernels_that_can_win_there():
+    assert verify_layout.kernels_for(3) == ("transposed", "onednn")  # linear streams the weight: no blocks
+    assert verify_layout.kernels_for(4) == verify_layout.kernels_for(16) == ("transposed", "onednn", "blocked")
+    assert verify_layout.kernels_for(32) == ("onednn",)
+
+
 def test_token_counts_are_measured_each_up_to_16_then_per_power_of_two():
     assert [verify_layout.measured_key(m) for m in (0, 1, 2, 3, 15, 16)] == [None, 1, 2, 3, 15, 16]
     assert [verify_layout.measured_key(m) for m in (17, 32, 33, 100, 128, 129, 512, 513)] == [
@@ -189,11 +195,11 @@ def test_layout_is_measured_per_token_count_and_kept(monkeypatch):
     profile = RuntimeProfile()
     layout = VerifyLayout(target, "auto", profile)
     assert layout.layout(0) == ("linear", False) and layout.layout(513) == ("linear", False)  # not measured
-    trials = []
-    for _ in range(len(KERNELS) * LAYOUT_TRIALS):
+    trials, options = [], 1 + len(verify_layout.kernels_for(3))
+    for _ in range(options * LAYOUT_TRIALS):
         with layout.forward(3) as trial:
             trials.append(trial)
-    assert trials == [True] * (len(KERNELS) * LAYOUT_TRIALS)
+    assert trials == [True] * (options * LAYOUT_TRIALS)
     assert layout.layout(3) == ("linear", False)  # equal times: linear kept, no more trials
     assert layout.layout(4)[1] is True  # another token count is measured on its own
     assert profile.layouts.chosen(3) == "linear" and profile.to_dict()["layouts"] == [[3, "linear"]]

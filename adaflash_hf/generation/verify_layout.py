@@ -54,8 +54,14 @@ def measured_key(tokens: int) -> int | None:
 def kernels_for(key: int) -> tuple[str, ...]:
     """The kernels timed against ``linear`` for a `measured_key`: above 16 tokens the transposed product is the
     BLAS's few-columns path on many columns, slower than ``linear`` on every machine measured (BENCHMARKS.md
-    sections 12 and 14), and a trial there costs several plain steps, so it is not timed."""
-    return tuple(KERNELS)[1:] if key <= 16 else ("onednn",)
+    sections 12 and 14), and a trial there costs several plain steps, so it is not timed; the blocked product is
+    timed from 4 to 16 tokens only, where the BLAS's products of a few rows fall far below the core's arithmetic:
+    at 1-3 tokens ``linear`` streams the weight at about a plain step's cost, and above 16 the product is
+    arithmetic-bound (BENCHMARKS.md section 24). A candidate that cannot win is not only a slow trial: each one timed
+    is one more chance that a timing burst keeps a slower kernel."""
+    if key > 16:
+        return ("onednn",)
+    return tuple(name for name in tuple(KERNELS)[1:] if name != "blocked" or key >= BLOCKED_FROM)
 
 
 class _RoutedLinear(TorchFunctionMode):
@@ -120,6 +126,7 @@ class BlockedLinear(_RoutedLinear):
 
 
 BLOCK_ROWS = 64
+BLOCKED_FROM = 4  # the fewest tokens of a forward whose kernel trials time `BlockedLinear` (`kernels_for`)
 KERNELS = {
     "linear": contextlib.nullcontext,
     "transposed": TransposedLinear,
