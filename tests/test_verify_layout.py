@@ -149,6 +149,13 @@ def test_measured_choice_times_a_candidate_far_slower_than_the_baseline_no_more(
         seen.append(option)
         choice.record(5, option, {"a": 1.0, "b": 1.2, "c": 1.1}[option])
     assert seen == ["a", "b", "c"] * 2 and choice.chosen(5) == "a"
+    # a thread that was handed b before another thread's timing dropped it: its timing is let go, not an error
+    assert choice.next_trial(6) == "a"
+    choice.record(6, "a", 1.0)
+    late = choice.next_trial(6)
+    choice.record(6, late, 2.2)
+    choice.record(6, late, 2.0)
+    assert late not in choice.timings[6]
 
 
 def test_each_token_count_times_only_the_kernels_that_can_win_there():

@@ -73,7 +73,7 @@ class MeasuredChoice:
         """Adds one timing of ``option``; decides the key once both options have `trials` timings."""
         with self._lock:
             timings = self.timings.get(key)
-            if timings is None:  # another thread's timing decided it meanwhile
+            if timings is None or option not in timings:  # another thread's timing decided it, or dropped the option
                 return
             timings[option].append(seconds)
             baseline = timings[self.baseline]
