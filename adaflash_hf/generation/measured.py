@@ -70,7 +70,8 @@ class MeasuredChoice:
             return min(timings, key=lambda option: len(timings[option]))
 
     def record(self, key: Hashable, option, seconds: float) -> None:
-        """Adds one timing of ``option``; decides the key once both options have `trials` timings."""
+        """Adds one timing of ``option`` (dropping it if `drop` says so); decides the key once every option still
+        timed has `trials` timings."""
         with self._lock:
             timings = self.timings.get(key)
             if timings is None or option not in timings:  # another thread's timing decided it, or dropped the option
