@@ -219,6 +219,62 @@ def test_output_scores_and_returned_cache_follow_the_accepted_path():
     assert out.cache.get_seq_length() == plain.cache.get_seq_length()
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_tree_that_is_one_path_is_verified_as_a_linear_block(monkeypatch, batch_size):
+    """A chain (each node the previous one's child, as a confident drafter's or a copied path's) runs under the
+    causal mask (at batch 1 none at all: attention keeps its fast kernels) and is not reordered; it commits what the
+    same tree under its 4D tree mask commits, scores and returned cache alike. Branching trees keep the tree mask."""
+    target = tiny_target()
+    prompts = PROMPTS[:batch_size]
+    free = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    ids, mask = left_pad(prompts)
+    if batch_size == 1:
+        mask = None
+    references = [p + r for p, r in zip(prompts, free)]
+    masks, chains = [], []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    is_chain = DraftTree.is_chain
+    monkeypatch.setattr(DraftTree, "is_chain", property(lambda tree: chains.append(is_chain.fget(tree)) or chains[-1]))
+    common = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    # the block's 7 drafts and the anchor: a confident drafter's best 7 nodes are its top-1 path, where the row's
+    # token budget leaves room for it
+    config = GenerationConfig(adaflash_tree_budget=8, output_scores=True, return_dict_in_generate=True, **common)
+
+    def run(drafter):
+        masks.clear(), chains.clear()
+        out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=drafter)
+        steps = list(zip(masks[1:], chains))  # the prefill, then one forward per step
+        return out, [m for m, chain in steps if chain], [m for m, chain in steps if not chain]
+
+    oracle = oracle_drafter(target, references)
+    out, linear, tree = run(oracle)
+    assert len(linear) > len(tree)  # branching only where the token budget cuts the path short
+    assert all(m.dim() == 4 for m in tree)
+    assert all(m is None or m.dim() == 2 for m in linear)
+    if batch_size == 1:
+        assert all(m is None for m in linear)
+    assert rows_of(out.sequences, prompts) == [row[:20] for row in free]
+    monkeypatch.setattr(DraftTree, "is_chain", property(lambda tree: chains.append(False) or False))
+    as_tree, _, tree = run(oracle)
+    assert tree and all(m.dim() == 4 for m in tree)
+    assert torch.equal(out.sequences, as_tree.sequences)
+    for got, want in zip(out.scores, as_tree.scores):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for (key, value), (key_, value_) in zip(
+        ((layer.keys, layer.values) for layer in out.cache.layers),
+        ((layer.keys, layer.values) for layer in as_tree.cache.layers),
+    ):
+        torch.testing.assert_close(key, key_, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(value, value_, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(DraftTree, "is_chain", property(lambda tree: chains.append(is_chain.fget(tree)) or chains[-1]))
+    runner_up = _runner_up_oracle(target, references, lambda row, anchor: {2})
+    out, _, tree = run(runner_up)
+    assert tree and all(m.dim() == 4 for m in tree)  # the right runner-up makes a second branch
+    assert rows_of(out.sequences, prompts) == [row[:20] for row in free]
+
+
 # ------------------------------------------------------------------ sampling exactness
 
 

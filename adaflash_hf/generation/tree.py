@@ -10,7 +10,8 @@ tokens, as a linear candidate of length ``n`` does, and a budget of 1 is a plain
 
 The target verifies ``[anchor, nodes...]`` in one forward, each node at position ``anchor + depth`` under a 4D
 attention mask that lets it see the committed cache and its own ancestors only, so each node's logits are exactly the
-target's logits after the node's path.
+target's logits after the node's path. A tree that is one path (`DraftTree.is_chain`) is a linear block, and the
+causal mask gives it the same visibility.
 
 Why acceptance stays exact (greedy and sampling): at the root, the loop takes the token ``t`` the target chooses from
 its processed logits there (argmax, or one sample); if a child of the root carries ``t``, it moves to that child and
@@ -79,6 +80,13 @@ class DraftTree:
     def deepest(self) -> torch.LongTensor:
         """``[B]``: the depth of each row's deepest node (0 for a row without nodes)."""
         return (self.depths * self.valid).amax(-1) if self.valid.numel() else self.num_nodes
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether every row's nodes form one path from the anchor in node order (node ``i + 1``'s parent is node
+        ``i``): a linear block, which the causal mask verifies and whose walk order is the node order."""
+        previous = torch.arange(self.tokens.shape[1], device=self.parents.device)
+        return bool(((self.parents == previous) | ~self.valid).all())
 
     def ancestry(self) -> torch.Tensor:
         """``[B, N + 1, N + 1]`` bool: ``[b, i, j]`` is True when node ``j`` is node ``i`` or one of its ancestors
@@ -298,23 +306,29 @@ class TreeVerifier:
         width, past = tree.width, cache.columns
         ids = torch.cat([anchors[:, None], tree.tokens], dim=1)
         depths = torch.cat([tree.depths.new_zeros(len(anchors), 1), tree.depths], 1)
+        # Most merged trees are one path (a copied path the drafter agrees with, a confident drafter): verified as
+        # the linear block it is, under the causal mask, which lets attention keep its fast kernels (a 4D mask costs
+        # a copy of every layer's keys and values for grouped heads), and with nothing to reorder after the walk.
+        chain = tree.is_chain
+        if chain:
+            mask = cache.extended_mask(torch.cat([tree.valid.new_ones(len(anchors), 1), tree.valid], 1))
+        else:
+            mask = tree_attention_mask(tree, cache.mask, past, self.mask_dtype)
         # ids-independent processors only (checked before the call runs), so no node needs its path as their ids
-        raw, processed, features, trial, at = self.forward(
-            ids,
-            tree_attention_mask(tree, cache.mask, past, self.mask_dtype),
-            positions[:, None] + depths,
-            tree.tokens,
-            history,
-        )
+        positions = positions[:, None] + depths
+        raw, processed, features, trial, at = self.forward(ids, mask, positions, tree.tokens, history)
         choices = self.choose(processed.flatten(0, 1)).view(processed.shape[:2])
         accepted, order, following = walk_trees(tree, choices)
         if padded is not None:
             following = following.masked_fill(padded, self.pad_token_id)
 
         def by_order(values):  # [B, width, ...] in the walk's order: anchor, accepted path, the rest
+            if chain:  # the accepted path is the chain's prefix: the walk's order is the node order
+                return values
             return values.gather(1, order.view(*order.shape, *[1] * (values.dim() - 2)).expand_as(values))
 
-        cache.move_to_front(order, width)
+        if not chain:
+            cache.move_to_front(order, width)
         path = by_order(ids)[:, 1:]
         committed = torch.cat([path, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
         by_source = None
