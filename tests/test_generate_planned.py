@@ -562,10 +562,13 @@ def test_the_planner_with_a_length_head_is_exact(unbudgeted_probes):
         tiny_drafter(target, use_length_head=True),
         oracle_drafter(target, full, use_length_head=True, corrupt=lambda row, anchor: {1 + (row + anchor) % 5}),
     ):
+        widths = []
         for _ in range(2):
             out, stats = _generate(target, drafter, ids, mask, None)
             assert rows_of(out, prompts) == references
-    assert any(step.verify_width > 1 for step in stats.steps)
+            widths += [step.verify_width for step in stats.steps]
+    # the oracle's calls drafted (in either one: the choice follows this machine's timings, noisy under load)
+    assert max(widths) > 1
 
 
 def test_a_probe_with_no_room_to_draft_is_timed_as_the_plain_step_it_was():
