@@ -1,11 +1,16 @@
 """`process_positions` against a reference that processes each row alone, one position at a time."""
 
+import pytest
 import torch
 from transformers.generation.logits_process import (
+    LogitsProcessor,
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
+    TopKLogitsWarper,
 )
 
 from adaflash_hf.generation.processing import process_positions
@@ -61,3 +66,50 @@ def test_chosen_tokens_feed_the_next_position():
     )
     torch.testing.assert_close(got, _reference(sequences, lengths, logits, chosen, torch.arange(2)))
     assert torch.equal(chosen, got.argmax(-1))
+
+
+class _ReadsIds(LogitsProcessor):
+    """A processor that reads the ids (for all `process_positions` knows): it runs position by position."""
+
+    def __init__(self):
+        self.lengths = []
+
+    def __call__(self, input_ids, scores):
+        self.lengths.append(input_ids.shape[-1])
+        return scores
+
+
+def test_length_bans_run_once_over_all_positions_and_match_rows_alone(monkeypatch):
+    """`min_length` and `min_new_tokens` read only the ids' length: one pass over all positions bans the
+    end-of-sequence tokens exactly where plain decoding, row by row and position by position, bans them, whatever the
+    order of the other processors (a ban before a top-k is not a ban after it)."""
+    eos = [3, 5]
+    lists = (
+        [MinNewTokensLengthLogitsProcessor(6, 4, eos), TemperatureLogitsWarper(0.7)],
+        [TopKLogitsWarper(2), MinLengthLogitsProcessor(11, eos)],
+        [MinLengthLogitsProcessor(11, eos), TopKLogitsWarper(2)],
+    )
+    for processors in lists:
+        sequences, lengths, logits, tokens = _case(7, 3, 4, [7, 9, 11])  # positions on both sides of each bound
+        logits[..., eos] += 3.0  # the end-of-sequence tokens in every top 2 before the ban
+        expected = logits.clone()
+        for b in range(3):
+            ids = sequences[b : b + 1, : int(lengths[b])]
+            for i in range(4):
+                expected[b, i] = LogitsProcessorList(processors)(ids, logits[b, i][None].clone())[0]
+                ids = torch.cat([ids, tokens[b, i : i + 1][None]], dim=1)
+        reads = _ReadsIds()
+        slow, _ = process_positions(
+            LogitsProcessorList([*processors, reads]), sequences, lengths, logits.clone(), tokens=tokens
+        )
+        assert len(reads.lengths) == 4 * 3  # position by position (the rows' lengths differ)
+        with monkeypatch.context() as patch:
+            for kind in (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor):
+                patch.setattr(kind, "__call__", lambda *args: pytest.fail("called position by position"))
+            fast, _ = process_positions(
+                LogitsProcessorList(processors), sequences, lengths, logits.clone(), tokens=tokens
+            )
+        torch.testing.assert_close(slow, expected)
+        torch.testing.assert_close(fast, expected)
+        banned = fast[..., eos].isinf().all(-1)
+        assert banned.any() and not banned.all()  # the bound falls inside the block for some rows

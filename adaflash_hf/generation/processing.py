@@ -1,9 +1,11 @@
 """Logits processors at several positions at once, for the drafter and for the target alike.
 
 Lossless sampling needs the drafter's distribution after *the same* processors the target gets, each position seeing
-the ids before it. Processors that ignore the ids (temperature, top-k/p, min-p, ...) run once over all positions;
-the others (repetition penalty, n-gram bans, prefix constraints, ...) run position by position, and are called the
-way plain generate() calls them: with the *whole* batch at one sequence length. Processors may index rows
+the ids before it. Processors that ignore the ids (temperature, top-k/p, min-p, ...) run once over all positions, and
+so do the two that read only the ids' length (``min_length`` and ``min_new_tokens``: the end-of-sequence tokens are
+banned while the ids are shorter than a bound, applied per position from its length, `_eos_bound`); the others
+(repetition penalty, n-gram bans, prefix constraints, ...) run position by position, and are called the way plain
+generate() calls them: with the *whole* batch at one sequence length. Processors may index rows
 (``prefix_allowed_tokens_fn(batch_id, ids)``, a per-row ``prompt_ignore_length``), so row ``b`` must sit at index
 ``b`` of a full-size batch; rows of a speculative batch hold different numbers of tokens, so each call serves the
 positions of every row that reaches that length, and the other rows' outputs are discarded.
@@ -14,6 +16,7 @@ positions (several per call, rejected ones rolled back): `check_processors` refu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -22,6 +25,8 @@ from transformers.generation.logits_process import (
     EtaLogitsWarper,
     InfNanRemoveLogitsProcessor,
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     SuppressTokensLogitsProcessor,
     SynthIDTextWatermarkLogitsProcessor,
@@ -63,6 +68,34 @@ TokenChooser = Callable[[torch.Tensor], torch.LongTensor]
 def ids_independent(processor) -> bool:
     """Whether a processor's output depends on the logits only (then all positions are processed in one call)."""
     return isinstance(processor, _IDS_INDEPENDENT)
+
+
+def _eos_bound(processor) -> tuple[int, torch.Tensor] | None:
+    """``(bound, eos ids)`` of a processor that sets the end-of-sequence logits to ``-inf`` while the ids are shorter
+    than ``bound`` and reads nothing else of them (transformers' ``MinLengthLogitsProcessor`` and
+    ``MinNewTokensLengthLogitsProcessor``, their own classes only: a subclass may read more); else ``None``."""
+    if type(processor) is MinLengthLogitsProcessor:
+        return processor.min_length, processor.eos_token_id
+    if type(processor) is MinNewTokensLengthLogitsProcessor:
+        return processor.prompt_length_to_skip + processor.min_new_tokens, processor.eos_token_id
+    return None
+
+
+def _all_at_once(processors, sequences, lengths, logits) -> torch.Tensor:
+    """`process_positions` when every processor is ids-independent or an `_eos_bound`: each one call over all
+    positions, in the list's order (a ban before a top-k is not a ban after it)."""
+    batch, width = logits.shape[:2]
+    flat = logits.view(batch * width, -1)
+    seen = (lengths[:, None] + torch.arange(width, device=lengths.device)).view(-1).to(flat.device)
+    for processor in processors:
+        bound = _eos_bound(processor)
+        if bound is None:
+            flat = processor(sequences[:1].expand(flat.shape[0], -1), flat)
+        else:
+            limit, eos = bound
+            short = (seen < limit).nonzero()  # [n, 1]: the positions whose ids are shorter than the bound
+            flat[short, eos.to(flat.device).view(1, -1)] = -math.inf
+    return flat.view_as(logits)
 
 
 def token_chooser(do_sample: bool, drafts: bool = False) -> TokenChooser:
@@ -112,10 +145,9 @@ def process_positions(
     chosen tokens (``None`` when none were chosen).
     """
     batch, width = logits.shape[:2]
-    if all(ids_independent(p) for p in processors):
+    if all(ids_independent(p) or _eos_bound(p) is not None for p in processors):
         if len(processors):
-            flat = logits.view(batch * width, -1)
-            logits = processors(sequences[:1].expand(flat.shape[0], -1), flat).view_as(logits)
+            logits = _all_at_once(processors, sequences, lengths, logits)
         return logits, (choose(logits.flatten(0, 1)).view(batch, width) if choose else None)
 
     # the whole batch, in order, at one length: plain decoding's own call (every plain step at batch 1)
