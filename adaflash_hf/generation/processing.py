@@ -86,13 +86,15 @@ def _all_at_once(processors, sequences, lengths, logits) -> torch.Tensor:
     positions, in the list's order (a ban before a top-k is not a ban after it)."""
     batch, width = logits.shape[:2]
     flat = logits.view(batch * width, -1)
-    seen = (lengths[:, None] + torch.arange(width, device=lengths.device)).view(-1).to(flat.device)
+    seen = None  # each position's ids length, once a ban needs it (sampling's warpers alone, every step, do not)
     for processor in processors:
         bound = _eos_bound(processor)
         if bound is None:
             flat = processor(sequences[:1].expand(flat.shape[0], -1), flat)
         else:
             limit, eos = bound
+            if seen is None:
+                seen = (lengths[:, None] + torch.arange(width, device=lengths.device)).view(-1).to(flat.device)
             short = (seen < limit).nonzero()  # [n, 1]: the positions whose ids are shorter than the bound
             flat[short, eos.to(flat.device).view(1, -1)] = -math.inf
     return flat.view_as(logits)
