@@ -8,14 +8,13 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.training.cli import build_trainer, parse_args
+from adaflash_hf.training.cli import build_trainer, parse_args, run_training
 
 
 def main(argv: list[str]) -> None:
     script_args, training_args, model_args, dataset_args = parse_args(argv)
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model()
+    run_training(trainer, training_args)
     drafter = trainer.accelerator.unwrap_model(trainer.model)
     digest = hashlib.sha256()
     for name, tensor in sorted(drafter.state_dict().items()):
@@ -27,6 +26,7 @@ def main(argv: list[str]) -> None:
         "sha256": digest.hexdigest(),
     }
     Path(training_args.output_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    trainer.accelerator.end_training()  # as `adaflash train` does: no gloo threads left for the teardown
 
 
 if __name__ == "__main__":

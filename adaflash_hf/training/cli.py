@@ -174,9 +174,20 @@ def _train_command(namespace: argparse.Namespace) -> int:
 
 def train(script_args, training_args, model_args, dataset_args) -> int:
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
+    try:
+        run_training(trainer, training_args)
+    finally:
+        # Under `accelerate launch` a process that exits with its gloo group alive can abort in the interpreter's
+        # teardown (the group's worker threads outlive Python), failing a run that trained and saved.
+        trainer.accelerator.end_training()
+    return 0
+
+
+def run_training(trainer: OPDTrainer, training_args) -> None:
+    """Trains (resuming when ``resume_from_checkpoint`` is set), saves the final drafter and its model card, and
+    pushes it when ``push_to_hub`` is set; the process group stays up for the caller."""
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     trainer.create_model_card()
     if training_args.push_to_hub:
         trainer.push_to_hub()
-    return 0
