@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash_hf.training.cli import build_trainer, parse_args, run_training
+from adaflash_hf.training.cli import build_trainer, end_training, parse_args, run_training
 
 
 def main(argv: list[str]) -> None:
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
         "sha256": digest.hexdigest(),
     }
     Path(training_args.output_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    trainer.accelerator.end_training()  # as `adaflash train` does: no gloo threads left for the teardown
+    end_training(trainer)  # as `adaflash train` does: no gloo threads left for the teardown
 
 
 if __name__ == "__main__":

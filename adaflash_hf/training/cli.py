@@ -174,13 +174,18 @@ def _train_command(namespace: argparse.Namespace) -> int:
 
 def train(script_args, training_args, model_args, dataset_args) -> int:
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
-    try:
-        run_training(trainer, training_args)
-    finally:
-        # Under `accelerate launch` a process that exits with its gloo group alive can abort in the interpreter's
-        # teardown (the group's worker threads outlive Python), failing a run that trained and saved.
-        trainer.accelerator.end_training()
+    run_training(trainer, training_args)
+    end_training(trainer)
     return 0
+
+
+def end_training(trainer: OPDTrainer) -> None:
+    """Ends a run that trained and saved: under `accelerate launch` a process that exits with its gloo group alive can
+    abort in the interpreter's teardown (the group's worker threads outlive Python), so every rank waits for the
+    others and then destroys its process group. Not after an exception: a rank that destroys its group while
+    another is still in a collective would hang both."""
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 def run_training(trainer: OPDTrainer, training_args) -> None:
