@@ -325,13 +325,14 @@ def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step(
 
 def test_with_a_length_head_a_call_drafts_while_its_drafted_steps_summed_beat_plain_ones():
     costs = {(1, 1): 1.0, (1, 16): 2.0}
-    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, drafted_speedup={1: 1.5})
+    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, drafted_speedup={1: 1.05})
     planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True, probe_first=False)
     assert planner._draft_or_plain(1, 16) == 16  # nothing drafted yet this call: the earlier calls' rate
     for accepted in (0, 0, 0):  # three losing steps: 1 token each for 3 plain steps' time
         planner._observe([0], 16, [accepted], [15], seconds=3.0)
     planner._observe([0], 16, [7], [15], seconds=3.0)  # one lucky step: 8 tokens
-    # a moving average would now say drafting pays; the sums say 11 tokens in 12 plain steps' time
+    # a moving average would now say drafting pays; the sums say 11 tokens in 12 plain steps' time, which four steps
+    # at 0.92x beside two at the earlier calls' 1.05x confirm
     assert table.drafting_speedup(1) > 1.0
     assert planner._draft_or_plain(1, 16) == 1
     planner._observe([0], 16, [15], [15], seconds=3.0)  # 27 tokens in 15: drafting pays
@@ -347,15 +348,14 @@ def test_a_probe_whose_block_would_have_paid_resumes_drafting():
     assert max(width for _, width in history[first_probe:]) > 2  # then it drafts, and wide
 
 
-@pytest.mark.parametrize("drafted_speedup", [0.7, 1.5])
-def test_a_new_call_probes_at_once_and_keeps_the_measured_costs(drafted_speedup):
-    # the last call's prompts, hard or easy, say little about this call's: it probes first, and the probe's block
-    # decides; the measured costs and the probes' back-off stay
+def test_a_new_call_probes_at_once_and_keeps_the_measured_costs():
+    # where drafting did not pay lately, the last call's prompts say little about this call's: it probes first, and
+    # the probe's block decides; the measured costs and the probes' back-off stay
     costs = {(1, 1): 1.0, (1, 2): 1.4}
-    table = CostTable(step_s=dict(costs), drafted_speedup={1: drafted_speedup}, probe_interval=256, idle_steps=100)
-    planner = VerificationPlanner(table, block_size=16, batch_size=1, device=torch.device("cpu"), length_head=True)
+    table = CostTable(step_s=dict(costs), drafted_speedup={1: 0.7}, probe_interval=256, idle_steps=100)
+    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
     assert table.probe_interval == planner_module.CALL_PROBE_INTERVAL  # kept, up to a bound
-    assert table.step_s == costs and table.drafted_speedup == {1: drafted_speedup}
+    assert table.step_s == costs and table.drafted_speedup == {1: 0.7}
     history = _drive(planner, planner_module.FIRST_PROBE_INTERVAL + 2, agrees=lambda step: False, costs=costs)
     assert history[0] == (True, 1)  # a probe: the block drafted, only the anchor verified
     assert all(width == 1 for _, width in history)  # its block disagreed at once: no drafted step follows
@@ -414,6 +414,23 @@ def test_drafting_that_loses_to_plain_steps_stops_even_after_a_slowed_first_plai
     assert planner.width(rows, 16) == 1
 
 
+@pytest.mark.parametrize("earlier, drafted_steps", [(None, 1), (0.9, 1), (1.25, 3)])
+def test_a_calls_first_unlucky_drafted_steps_stop_it_as_the_earlier_calls_rate_says(earlier, drafted_steps):
+    # batch 1: a plain step 40 ms; a drafted one 50 ms that accepted nothing (0.8x plain's rate). Alone, the first such
+    # step stops the call; beside two steps at the earlier calls' 1.25x it takes three: (0.8 n + 2.5) / (n + 2) < 1.
+    table = CostTable(step_s={(1, 1): 0.04, (1, 16): 0.05})
+    if earlier is not None:
+        table.drafted_speedup[1] = earlier
+    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
+    planner._promoted = True
+    steps = 0
+    while planner.width([0], 16) == 16:
+        planner._observe([0], 16, [0], [15], 0.05)
+        steps += 1
+    assert steps == drafted_steps
+    assert earlier is None or table.drafting_speedup(1) < earlier  # the table follows what this call measured
+
+
 def test_a_kernel_trial_step_counts_in_the_rates_and_prices_its_width_until_a_timed_step_does():
     rows = list(range(8))
     table = CostTable(step_s={(8, 1): 0.15}, draft_s={8: 0.2})
@@ -424,7 +441,7 @@ def test_a_kernel_trial_step_counts_in_the_rates_and_prices_its_width_until_a_ti
     planner._observe(rows, 2, [1] * 8, [1] * 8, 0.40)
     # no drafted step again just to measure: the trial priced width 2, and the call's rate has the step
     assert not planner._promoted and table.step_s[(8, 2)] == pytest.approx(0.40)
-    assert planner._drafted[8] == [16.0, 0.40]
+    assert planner._drafted[8] == [16.0, 0.40, 1]
     planner.trial()
     planner._observe(rows, 2, [1] * 8, [1] * 8, 0.35)  # trials price by the fastest of them (the kernel kept)
     assert table.step_s[(8, 2)] == pytest.approx(0.35)

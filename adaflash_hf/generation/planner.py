@@ -54,7 +54,9 @@ verifies nothing but anchors after the first step, and drafts once per probe int
 its drafts the target will accept; that sees easy and hard spans, which a row's average acceptance cannot. The step
 then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of this call's drafted
 steps (committed tokens per second, all of them summed per row count, head-chosen widths included) with a plain step's
-``R / S(R, 1)``; a call starts drafting when a probe's block would have paid (a call's first probe as above: the
+``R / S(R, 1)``, the call's speedup counted beside `RATE_PRIOR_STEPS` steps at the earlier calls' (a slow moving
+average: one step's speedup is noisy, and a call judged on its first one or two stops where drafting pays); a call
+starts drafting when a probe's block would have paid (a call's first probe as above: the
 earlier calls' content says little about this one's), and probes are forced after plain streaks as above. *After*
 drafting (`refine`): the width, with each row's ``p`` taken from its head prediction instead of its history (a
 predicted ``a`` accepted drafts is a geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor
@@ -102,7 +104,10 @@ import torch
 
 from .length_policy import LengthPolicy, PolicyPlan, StepPlan
 
-EMA = 0.3  # weight of a new value in the moving averages (draft cost, drafting's rate, the head's calibration)
+EMA = 0.3  # weight of a new value in the moving averages (draft cost, the head's calibration)
+# Drafting's rate moves slower: one drafted step's speedup ranges over 0.7-2x where the mean is 1.2 (shell at batch 1),
+# and a call stops drafting right after its losing steps, which a fast average would make the next call's prior.
+DRAFTED_EMA = 0.1
 COST_WINDOW = 5  # a step cost is the median of this many latest steps of its rows and width
 PLAIN_SAMPLES = 3  # timed plain steps before their cost is compared with anything (`CostTable.plain_known`)
 PRIOR_ACCEPTANCE = 0.5  # per-draft acceptance assumed before anything was observed
@@ -118,6 +123,11 @@ MAX_PROBE_INTERVAL = 256
 # work beside a plain forward takes the other half (BENCHMARKS.md section 20: 0.6% of a step on an AVX2-only core).
 PROBE_BUDGET = 0.01
 CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
+# With a length head, how many drafted steps the pair's earlier calls' rate counts as beside a call's own
+# (`_draft_or_plain`): half of a call's drafted steps on code accept nothing, and a call that judged drafting on its
+# first one or two alone stopped where drafting paid (BENCHMARKS.md section 26).
+RATE_PRIOR_STEPS = 2.0
+RATE_PRIOR_CAP = 1.5
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -143,7 +153,8 @@ class CostTable:
     step_s: dict[tuple[int, int], float] = field(default_factory=dict)
     acceptance: float = PRIOR_ACCEPTANCE  # pooled per-draft acceptance of the last call
     probe_interval: int = FIRST_PROBE_INTERVAL
-    # rows -> committed tokens per second of drafted steps over a plain step's (rows / S(rows, 1)), moving average
+    # rows -> committed tokens per second of drafted steps over a plain step's (rows / S(rows, 1)), moving average by
+    # `DRAFTED_EMA`
     drafted_speedup: dict[int, float] = field(default_factory=dict)
     head_scale: float = 1.0  # calibration of the length head's predicted accepted drafts
     # rows -> seconds the draft of a drafted step takes (moving average): what drafting adds to a step's forward
@@ -243,7 +254,7 @@ class CostTable:
         plain = self.cost(rows, 1)
         if plain is None:
             return
-        _moving(self.drafted_speedup, rows, (tokens / max(seconds, 1e-9)) / (rows / plain))
+        _moving(self.drafted_speedup, rows, (tokens / max(seconds, 1e-9)) / (rows / plain), DRAFTED_EMA)
 
     def drafting_speedup(self, rows: int) -> float | None:
         """How much faster than plain steps drafted steps have committed tokens, at ``rows`` rows (or the nearest
@@ -345,10 +356,10 @@ def _nearest_rows(counts, rows: int) -> int:
     return min(counts, key=lambda r: (abs(r - rows), r))
 
 
-def _moving(averages: dict[int, float], rows: int, value: float) -> None:
-    """Moves ``averages[rows]`` towards ``value`` by `EMA` (sets it, the first time)."""
+def _moving(averages: dict[int, float], rows: int, value: float, weight: float = EMA) -> None:
+    """Moves ``averages[rows]`` towards ``value`` by ``weight`` (sets it, the first time)."""
     old = averages.get(rows)
-    averages[rows] = value if old is None else (1 - EMA) * old + EMA * value
+    averages[rows] = value if old is None else (1 - weight) * old + weight * value
 
 
 def _curves(costs: dict) -> dict[int, dict[int, float]]:
@@ -446,8 +457,10 @@ class VerificationPlanner:
         self._shadows: dict[int, list] = {}
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
         self._probes = 0  # probes this call
-        # row count -> [committed tokens, seconds] of this call's drafted steps (`_draft_or_plain`)
+        # row count -> [committed tokens, seconds, steps] of this call's drafted steps (`_draft_or_plain`), and the
+        # earlier calls' drafting speedups, taken before this call's own steps move them
         self._drafted: dict[int, list[float]] = {}
+        self._earlier_speedup = dict(table.drafted_speedup)
         # whether this call has scored a probe or verified drafts: until then its content is unknown (the last call's
         # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
         self._evidence = not probe_first
@@ -696,15 +709,23 @@ class VerificationPlanner:
     def _draft_or_plain(self, count: int, max_width: int) -> int:
         """With a length head: the whole block (for `refine` to cut) when this call's drafted steps, all of them
         summed, have been committing tokens faster than plain steps (a moving average would let one lucky step
-        outweigh several losing ones, and drafting would go on exactly while it is lucky); before the call has
-        drafted, a probe's block that would have paid is what starts drafting (`score_shadows`), or, in a call that
-        does not start with a probe, the earlier calls' `CostTable.drafting_speedup`; else a plain step."""
+        outweigh several losing ones, and drafting would go on exactly while it is lucky), their speedup counted
+        beside `RATE_PRIOR_STEPS` steps at the earlier calls' (`CostTable.drafting_speedup`, as the call began): a
+        call's first drafted steps are few, and on their own one unlucky step would stop a call where drafting pays,
+        to resume only at the next promoted probe. Before the call has drafted, a probe's block that would have paid
+        is what starts drafting (`score_shadows`), or, in a call that does not start with a probe, the earlier calls'
+        speedup; else a plain step."""
         sums = CostTable._nearest(self._drafted, count)
+        earlier = CostTable._nearest(self._earlier_speedup, count)
         if sums is None:
             prior = self._prior_rate and self.table.drafting_speedup(count) >= 1.0
             return max_width if prior else 1
-        tokens, seconds = sums
-        return max_width if tokens / seconds >= count / self.table.cost(count, 1) else 1
+        tokens, seconds, steps = sums
+        own = (tokens / seconds) / (count / self.table.cost(count, 1))
+        if earlier is not None:  # capped: after a domain where drafting doubled the rate, a losing call stops soon
+            earlier = min(earlier, RATE_PRIOR_CAP)
+            own = (steps * own + RATE_PRIOR_STEPS * earlier) / (steps + RATE_PRIOR_STEPS)
+        return max_width if own >= 1.0 else 1
 
     # ------------------------------------------------------------------ probes
 
@@ -862,8 +883,8 @@ class VerificationPlanner:
             if self._drafted_at is not None:
                 self.table.observe_draft(len(rows), self._drafted_at - self._started)
             self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
-            sums = self._drafted.setdefault(len(rows), [0.0, 0.0])
-            sums[0], sums[1] = sums[0] + float(got.sum()) + len(rows), sums[1] + seconds
+            sums = self._drafted.setdefault(len(rows), [0.0, 0.0, 0])
+            sums[0], sums[1], sums[2] = sums[0] + float(got.sum()) + len(rows), sums[1] + seconds, sums[2] + 1
         if self._expected_accepted is not None:
             # the head's predictions, scaled, should expect as many accepted drafts as the target accepts
             ratio = (float(got.sum()) + 1.0) / (float(self._expected_accepted.sum()) + 1.0)

@@ -1,0 +1,140 @@
+"""What the earlier calls' drafting rate beside a call's own drafted steps is worth (`planner.RATE_PRIOR_STEPS`).
+
+With a length head, the planner drafts while the call's drafted steps, summed, commit tokens faster than plain
+steps. A call's first drafted steps are few, and half of them accept nothing on code: judged on them alone, a call
+stopped drafting where the head's own policy (``adaflash_adaptive``) showed it paid. This times the planner with the
+earlier calls' rate (a slow moving average, `DRAFTED_EMA`) counted as ``RATE_PRIOR_STEPS`` steps and with none (the
+call's own steps alone, the rate a fast average as before), the head's own policy beside them, interleaved with
+plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1, every output
+asserted identical to plain's:
+
+    python -m adaflash_demo.bench.rate_prior --domains code,shell,chat --prompts-per-domain 16 --repeats 2
+
+It prints, per domain, each variant's speedup over plain with its 95% interval (paired bootstrap over calls,
+`harness.speedup_interval`) and each planner variant's drafted steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+from transformers import GenerationConfig
+
+from adaflash_hf import record_stats
+from adaflash_hf.chat import render_prompt
+from adaflash_hf.generation import planner as planner_module
+from adaflash_hf.machine import machine_info, machine_summary
+
+from ..cli import chosen_prompts, load_demo_models
+from .harness import speedup_interval
+
+SHIPPED = {"RATE_PRIOR_STEPS": planner_module.RATE_PRIOR_STEPS, "DRAFTED_EMA": planner_module.DRAFTED_EMA}
+# a call judges its drafted steps alone, drafting's rate a fast moving average (the planner before the prior)
+OWN_STEPS_ONLY = {"RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
+
+
+def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
+    """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: all)."""
+    every = {
+        "planner": ("planned", SHIPPED),
+        "planner on its own steps": ("planned", OWN_STEPS_ONLY),
+        "head's policy": ("adaptive", SHIPPED),
+    }
+    return every if names is None else {name: every[name] for name in names}
+
+
+def _set(constants: dict) -> None:
+    for name, value in constants.items():
+        setattr(planner_module, name, value)
+
+
+def measure(target, tokenizer, drafter, texts: list[str], max_new_tokens: int, repeats: int, names) -> dict:
+    """Per variant and plain: ``(tokens, seconds)`` per call; per planner variant, its drafted and all steps. Each
+    variant has its own copy of the drafter, so its own runtime profile: what one variant's calls measured and
+    learnt (drafting's rate above all) is not the other's prior."""
+    chosen = variants(names)
+    copies = {name: copy.deepcopy(drafter) for name in chosen}
+    plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    configs = {
+        name: GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, adaflash_length_policy=policy)
+        for name, (policy, _) in chosen.items()
+    }
+    inputs = [tokenizer(render_prompt(tokenizer, text), return_tensors="pt") for text in texts]
+    calls = {name: [] for name in (*configs, "plain")}
+    steps = {name: [0, 0] for name in configs}
+    for ids in inputs[:2]:  # warm the paths and the pair's profile
+        for name, config in configs.items():
+            _set(chosen[name][1])
+            target.generate(**ids, generation_config=config, assistant_model=copies[name])
+    try:
+        for repeat in range(repeats):
+            for index, ids in enumerate(inputs):
+                order = [*configs, "plain"]
+                shift = (index + repeat * len(inputs)) % len(order)
+                outputs = {}
+                for name in order[shift:] + order[:shift]:
+                    start = time.perf_counter()
+                    if name == "plain":
+                        out = target.generate(**ids, generation_config=plain)
+                    else:
+                        _set(chosen[name][1])
+                        with record_stats() as stats:
+                            out = target.generate(**ids, generation_config=configs[name], assistant_model=copies[name])
+                        kinds = stats.summary()["steps_by_kind"]
+                        steps[name][0] += kinds.get("drafted", 0)
+                        steps[name][1] += sum(kinds.values())
+                    calls[name].append((out.shape[1] - ids["input_ids"].shape[1], time.perf_counter() - start))
+                    outputs[name] = out
+                if not all(torch.equal(out, outputs["plain"]) for out in outputs.values()):
+                    raise AssertionError("a variant's output differs from plain generate(): not lossless")
+    finally:
+        _set(SHIPPED)
+    return {"calls": calls, "steps": steps}
+
+
+def report(domain: str, measured: dict, names) -> str:
+    calls, plain = measured["calls"], measured["calls"]["plain"]
+    plain_speed = sum(t for t, _ in plain) / sum(s for _, s in plain)
+    cells = []
+    for name in variants(names):
+        speed = sum(t for t, _ in calls[name]) / sum(s for _, s in calls[name])
+        low, high = speedup_interval(calls[name], plain)
+        drafted, total = measured["steps"][name]
+        cells.append(f"{speed / plain_speed:.3f}x [{low:.2f}, {high:.2f}] ({drafted}/{total} drafted)")
+    return f"| {domain} | {len(plain)} | {' | '.join(cells)} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--domains", default="code,shell,chat", help="comma-separated shipped domains")
+    parser.add_argument("--prompts-per-domain", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(variants()), help="comma-separated, among the default")
+    args = parser.parse_args(argv)
+    names = args.variants.split(",")
+    if set(names) - set(variants()):
+        parser.error(f"--variants: unknown {sorted(set(names) - set(variants()))}; choose among {list(variants())}")
+    options = SimpleNamespace(target=None, drafter=None, dtype="float32", device="cpu", prompts=None)
+    options.prompts_per_domain = args.prompts_per_domain
+    target, tokenizer, drafter = load_demo_models(options)
+    prompts = chosen_prompts(options, args.prompts_per_domain)
+    unknown = sorted(set(args.domains.split(",")) - set(prompts))
+    if unknown:
+        parser.error(f"--domains: no shipped prompts for {unknown}; choose among {sorted(prompts)}")
+    print(f"machine: {machine_summary(machine_info())}")
+    print(f"| domain | calls | {' | '.join(names)} |")
+    print("|---|---|" + "---|" * len(names))
+    for domain in args.domains.split(","):
+        measured = measure(target, tokenizer, drafter, prompts[domain], args.max_new_tokens, args.repeats, names)
+        print(report(domain, measured, names), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
