@@ -20,7 +20,6 @@ import argparse
 import copy
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 from transformers import GenerationConfig
@@ -28,10 +27,8 @@ from transformers import GenerationConfig
 from adaflash_hf import record_stats
 from adaflash_hf.chat import render_prompt
 from adaflash_hf.generation import planner as planner_module
-from adaflash_hf.machine import machine_info, machine_summary
 
-from ..cli import chosen_prompts, load_demo_models
-from .harness import speedup_interval
+from .ab import load_for_ab, speedup_cell
 
 SHIPPED = {"RATE_PRIOR_STEPS": planner_module.RATE_PRIOR_STEPS, "DRAFTED_EMA": planner_module.DRAFTED_EMA}
 # a call judges its drafted steps alone, drafting's rate a fast moving average (the planner before the prior)
@@ -99,13 +96,10 @@ def measure(target, tokenizer, drafter, texts: list[str], max_new_tokens: int, r
 
 def report(domain: str, measured: dict, names) -> str:
     calls, plain = measured["calls"], measured["calls"]["plain"]
-    plain_speed = sum(t for t, _ in plain) / sum(s for _, s in plain)
     cells = []
     for name in variants(names):
-        speed = sum(t for t, _ in calls[name]) / sum(s for _, s in calls[name])
-        low, high = speedup_interval(calls[name], plain)
         drafted, total = measured["steps"][name]
-        cells.append(f"{speed / plain_speed:.3f}x [{low:.2f}, {high:.2f}] ({drafted}/{total} drafted)")
+        cells.append(f"{speedup_cell(calls[name], plain)} ({drafted}/{total} drafted)")
     return f"| {domain} | {len(plain)} | {' | '.join(cells)} |"
 
 
@@ -120,17 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.variants.split(",")
     if set(names) - set(variants()):
         parser.error(f"--variants: unknown {sorted(set(names) - set(variants()))}; choose among {list(variants())}")
-    options = SimpleNamespace(target=None, drafter=None, dtype="float32", device="cpu", prompts=None)
-    options.prompts_per_domain = args.prompts_per_domain
-    target, tokenizer, drafter = load_demo_models(options)
-    prompts = chosen_prompts(options, args.prompts_per_domain)
-    unknown = sorted(set(args.domains.split(",")) - set(prompts))
-    if unknown:
-        parser.error(f"--domains: no shipped prompts for {unknown}; choose among {sorted(prompts)}")
-    print(f"machine: {machine_summary(machine_info())}")
+    target, tokenizer, drafter, prompts = load_for_ab(parser, args)
     print(f"| domain | calls | {' | '.join(names)} |")
     print("|---|---|" + "---|" * len(names))
-    for domain in args.domains.split(","):
+    for domain in prompts:
         measured = measure(target, tokenizer, drafter, prompts[domain], args.max_new_tokens, args.repeats, names)
         print(report(domain, measured, names), flush=True)
     return 0

@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 from transformers import GenerationConfig
 
 from adaflash_hf.chat import render_prompt
 from adaflash_hf.generation.tree import DraftTree
-from adaflash_hf.machine import machine_info, machine_summary
 
-from ..cli import chosen_prompts, load_demo_models
-from .harness import speedup_interval
+from .ab import load_for_ab, speedup_cell
 
 VARIANTS = ("one-path shortcut", "tree mask always")
 
@@ -68,12 +65,7 @@ def measure(target, tokenizer, drafter, texts: list[str], max_new_tokens: int, r
 
 def report(domain: str, measured: dict) -> str:
     calls, plain = measured["calls"], measured["calls"]["plain"]
-    plain_speed = sum(t for t, _ in plain) / sum(s for _, s in plain)
-    cells = []
-    for name in VARIANTS:
-        speed = sum(t for t, _ in calls[name]) / sum(s for _, s in calls[name])
-        low, high = speedup_interval(calls[name], plain)
-        cells.append(f"{speed / plain_speed:.3f}x [{low:.2f}, {high:.2f}]")
+    cells = [speedup_cell(calls[name], plain) for name in VARIANTS]
     ratio = sum(s for _, s in calls[VARIANTS[0]]) / sum(s for _, s in calls[VARIANTS[1]])
     share = measured["one_path"] / max(measured["trees"], 1)
     return f"| {domain} | {len(plain)} | {' | '.join(cells)} | {ratio:.3f} | {share:.0%} |"
@@ -86,17 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
-    options = SimpleNamespace(target=None, drafter=None, dtype="float32", device="cpu", prompts=None)
-    options.prompts_per_domain = args.prompts_per_domain
-    target, tokenizer, drafter = load_demo_models(options)
-    prompts = chosen_prompts(options, args.prompts_per_domain)
-    unknown = sorted(set(args.domains.split(",")) - set(prompts))
-    if unknown:
-        parser.error(f"--domains: no shipped prompts for {unknown}; choose among {sorted(prompts)}")
-    print(f"machine: {machine_summary(machine_info())}")
+    target, tokenizer, drafter, prompts = load_for_ab(parser, args)
     print(f"| domain | calls | {' | '.join(VARIANTS)} | time, shortcut / tree mask | one-path trees |")
     print("|---|---|---|---|---|---|")
-    for domain in args.domains.split(","):
+    for domain in prompts:
         measured = measure(target, tokenizer, drafter, prompts[domain], args.max_new_tokens, args.repeats)
         print(report(domain, measured), flush=True)
     return 0
