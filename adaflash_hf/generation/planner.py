@@ -716,12 +716,12 @@ class VerificationPlanner:
         is what starts drafting (`score_shadows`), or, in a call that does not start with a probe, the earlier calls'
         speedup; else a plain step."""
         sums = CostTable._nearest(self._drafted, count)
-        earlier = CostTable._nearest(self._earlier_speedup, count)
         if sums is None:
             prior = self._prior_rate and self.table.drafting_speedup(count) >= 1.0
             return max_width if prior else 1
         tokens, seconds, steps = sums
         own = (tokens / seconds) / (count / self.table.cost(count, 1))
+        earlier = CostTable._nearest(self._earlier_speedup, count)
         if earlier is not None:  # capped: after a domain where drafting doubled the rate, a losing call stops soon
             earlier = min(earlier, RATE_PRIOR_CAP)
             own = (steps * own + RATE_PRIOR_STEPS * earlier) / (steps + RATE_PRIOR_STEPS)
