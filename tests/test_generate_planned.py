@@ -207,29 +207,52 @@ def test_costs_interpolate_between_measured_widths_and_unknown_batches_are_measu
     assert planner.after_draft(list(range(8)), drafts).tolist() == [0] * 8
 
 
+class _Clock:
+    """Stands for `time` in the planner's module: the steps `_drive` runs take the seconds their costs say."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 def _drive(planner, steps: int, agrees, costs: dict, draft_s: float = 0.2):
     """Runs the planner's side of ``steps`` loop steps of one row (a block of 15 drafts of token 7); the target
-    commits 7 while ``agrees(step)``, else 8. Returns per step (drafter ran, tokens verified)."""
-    history = []
-    for step in range(steps):
-        # hold the costs still (a probe's costs a draft here: no context waits for it)
-        planner.table.step_s, planner.table.draft_s, planner.table.probe_s = dict(costs), {1: draft_s}, {1: draft_s}
-        max_drafts = planner.before_draft([0], torch.tensor([15]))
-        drafted = bool(max_drafts.gt(0).any())
-        num_drafts = torch.zeros(1, dtype=torch.long)
-        if drafted:
-            drafts = SimpleNamespace(tokens=torch.full((1, 15), 7), num_drafts=max_drafts, length_prediction=None)
-            num_drafts = planner.after_draft([0], drafts)
-        width = int(num_drafts.max()) + 1
-        token = 7 if agrees(step) else 8
-        accepted = width - 1 if token == 7 else 0
-        committed = torch.tensor([[7] * accepted + [token]])
-        verified = SimpleNamespace(
-            width=width, accepted=torch.tensor([accepted]), depth=num_drafts, committed=committed, by_source=None
-        )
-        planner.after_verify([0], verified, torch.tensor([accepted + 1]))
-        history.append((drafted, width))
+    commits 7 while ``agrees(step)``, else 8. Each step takes what ``costs`` say (a width they do not name, what the
+    planner's table says), a probe a plain step and ``draft_s``. Returns per step (drafter ran, tokens verified)."""
+    history, clock, real = [], _Clock(), planner_module.time
+    planner_module.time = clock
+    try:
+        for step in range(steps):
+            history.append(_drive_step(planner, step, agrees, costs, draft_s, clock))
+    finally:
+        planner_module.time = real
     return history
+
+
+def _drive_step(planner, step: int, agrees, costs: dict, draft_s: float, clock: _Clock) -> tuple[bool, int]:
+    # hold the costs still (a probe's costs a draft here: no context waits for it)
+    planner.table.step_s, planner.table.draft_s, planner.table.probe_s = dict(costs), {1: draft_s}, {1: draft_s}
+    started = clock.now
+    max_drafts = planner.before_draft([0], torch.tensor([15]))
+    drafted = bool(max_drafts.gt(0).any())
+    num_drafts = torch.zeros(1, dtype=torch.long)
+    if drafted:
+        clock.now += draft_s
+        drafts = SimpleNamespace(tokens=torch.full((1, 15), 7), num_drafts=max_drafts, length_prediction=None)
+        num_drafts = planner.after_draft([0], drafts)
+    width = int(num_drafts.max()) + 1
+    cost = costs.get((1, width)) or planner.table.cost(1, width)
+    clock.now = started + cost + (draft_s if drafted and width == 1 else 0.0)
+    token = 7 if agrees(step) else 8
+    accepted = width - 1 if token == 7 else 0
+    committed = torch.tensor([[7] * accepted + [token]])
+    verified = SimpleNamespace(
+        width=width, accepted=torch.tensor([accepted]), depth=num_drafts, committed=committed, by_source=None
+    )
+    planner.after_verify([0], verified, torch.tensor([accepted + 1]))
+    return drafted, width
 
 
 @pytest.mark.parametrize("length_head", [False, True])
@@ -323,20 +346,66 @@ def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step(
     assert (len(probes) - 1) * 1.0 / len(history) <= planner_module.PROBE_BUDGET  # after the call's first
 
 
-def test_with_a_length_head_a_call_drafts_while_its_drafted_steps_summed_beat_plain_ones():
-    costs = {(1, 1): 1.0, (1, 16): 2.0}
-    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, drafted_speedup={1: 1.05})
-    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True, probe_first=False)
-    assert planner._draft_or_plain(1, 16) == 16  # nothing drafted yet this call: the earlier calls' rate
-    for accepted in (0, 0, 0):  # three losing steps: 1 token each for 3 plain steps' time
-        planner._observe([0], 16, [accepted], [15], seconds=3.0)
-    planner._observe([0], 16, [7], [15], seconds=3.0)  # one lucky step: 8 tokens
-    # a moving average would now say drafting pays; the sums say 11 tokens in 12 plain steps' time, which four steps
-    # at 0.92x beside two at the earlier calls' 1.05x confirm
-    assert table.drafting_speedup(1) > 1.0
-    assert planner._draft_or_plain(1, 16) == 1
-    planner._observe([0], 16, [15], [15], seconds=3.0)  # 27 tokens in 15: drafting pays
-    assert planner._draft_or_plain(1, 16) == 16
+def _drafted_run(planner, committed_per_step, seconds: float, limit: int = 40) -> int:
+    """Drafted steps of one row, each committing the next of ``committed_per_step`` (cycled) in ``seconds``, while
+    the planner goes on drafting (at most ``limit``); returns how many ran."""
+    steps = 0
+    while steps < limit and planner.width([0], 16) == 16:
+        tokens = committed_per_step[steps % len(committed_per_step)]
+        planner._observe([0], 16, [tokens - 1], [15], seconds)
+        steps += 1
+    return steps
+
+
+@pytest.fixture
+def drafting_bound(monkeypatch):
+    """The draft-or-plain rule of BENCHMARKS.md section 27, not shipped: probes' blocks are samples of drafting's rate,
+    and a call that is drafting goes on while an upper bound of its rate beats plain steps."""
+    monkeypatch.setattr(planner_module, "DRAFTING_BOUND_Z", 1.0)
+    monkeypatch.setattr(planner_module, "PROBE_SAMPLES", True)
+
+
+def test_with_a_length_head_a_call_drafts_until_its_drafted_steps_show_drafting_loses(drafting_bound):
+    # a plain step 1 s; a drafted one 1.25 s: 1 token is 0.8x plain's rate, 4 tokens 3.2x. Drafted steps are noisy
+    # (half of them accept nothing on code): a call that stopped at its first losing step stopped where drafting
+    # paid; one that stops once the bound says drafting loses goes on through them, and stops a steady loser soon
+    costs = {(1, 1): 1.0, (1, 16): 1.25}
+    noisy = VerificationPlanner(CostTable(step_s=dict(costs)), 16, 1, torch.device("cpu"), length_head=True)
+    noisy._promoted = True  # a probe's block would have paid
+    assert _drafted_run(noisy, [1, 1, 4], 1.25) == 40  # 0.8x, 0.8x, 3.2x, ...: never stopped
+    steady = VerificationPlanner(CostTable(step_s=dict(costs)), 16, 1, torch.device("cpu"), length_head=True)
+    steady._promoted = True
+    # 0.8x every step: the bound 0.8 + sqrt(0.5 / (n + 1) / n) (the spread all prior) falls under 1 at the 4th step
+    assert _drafted_run(steady, [1], 1.25) == 4
+    # stopped, it starts again on the mean itself, not its bound (exploring is paid for only while drafting): by
+    # probes' samples (`_observe_shadow_rate`)
+    steady.untimed()  # (a plain step's timing would start the table's plain-cost window anew)
+    steady._observe([0], 1, [0], [0], 1.0)  # the plain step it chose
+    steady._add_drafted_sample(1, 1.0, 0.5)  # a probe's block at 2x: the mean 5 / 5.5 = 0.91, its bound above 1
+    assert steady.width([0], 16) == 1 and not steady._shadow_now
+    steady._add_drafted_sample(1, 4.0, 1.25)  # and one at 3.2x: the mean 9 / 6.75 = 1.33
+    assert steady.width([0], 16) == 16 and not steady._shadow_now
+
+
+def test_with_a_length_head_a_probes_block_is_a_sample_of_drafting_at_the_heads_width(drafting_bound):
+    costs = {(1, 1): 1.0, (1, 2): 1.2, (1, 16): 2.0}
+    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, probe_s={1: 0.2}, drafted_speedup={1: 0.9})
+    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
+    planner._shadow_now = True  # this step is a probe
+    prediction = torch.tensor([6 / 16])  # the head expects 5 drafts accepted
+    drafts = SimpleNamespace(
+        tokens=torch.full((1, 15), 7), num_drafts=torch.tensor([15]), length_prediction=prediction
+    )
+    assert planner.after_draft([0], drafts).tolist() == [0]  # a probe verifies nothing
+    width = planner._head_width(1, prediction, torch.tensor([15]))[0]
+    assert 2 < width < 16
+    # one draft matched the target's token, which makes drafting pay here (`shadow_gain`): the probe ends, its block
+    # having committed 2 tokens so far
+    planner.score_shadows([0], [[7]])
+    assert planner._promoted and not planner._shadows
+    tokens, seconds, samples = planner._drafted[1][:3]
+    assert (tokens, samples) == (2.0, 1) and seconds == pytest.approx(table.cost(1, width))
+    assert table.drafting_speedup(1) == pytest.approx(0.9 + planner_module.DRAFTED_EMA * (2 / seconds - 0.9))
 
 
 def test_a_probe_whose_block_would_have_paid_resumes_drafting():
@@ -414,20 +483,25 @@ def test_drafting_that_loses_to_plain_steps_stops_even_after_a_slowed_first_plai
     assert planner.width(rows, 16) == 1
 
 
-@pytest.mark.parametrize("earlier, drafted_steps", [(None, 1), (0.9, 1), (1.25, 3)])
-def test_a_calls_first_unlucky_drafted_steps_stop_it_as_the_earlier_calls_rate_says(earlier, drafted_steps):
+@pytest.mark.parametrize(
+    "bound, earlier, drafted_steps",
+    [(0.0, None, 1), (0.0, 0.9, 1), (0.0, 1.25, 3), (1.0, None, 4), (1.0, 0.9, 3), (1.0, 1.25, 7)],
+)
+def test_a_calls_first_unlucky_drafted_steps_stop_it_as_the_earlier_calls_rate_says(
+    monkeypatch, bound, earlier, drafted_steps
+):
     # batch 1: a plain step 40 ms; a drafted one 50 ms that accepted nothing (0.8x plain's rate). Alone, the first such
     # step stops the call; beside two steps at the earlier calls' 1.25x it takes three: (0.8 n + 2.5) / (n + 2) < 1.
+    # With section 27's bound (`DRAFTING_BOUND_Z` = 1), the mean plus its spread's standard error: with no earlier
+    # rate 0.8 + sqrt(0.5 / (n + 1) / n) < 1 from n = 4; beside 0.9x, (0.8 n + 1.8) / (n + 2) + sqrt(0.5 / (n + 1)
+    # / (n + 2)) < 1 from n = 3; beside 1.25x, from n = 7.
+    monkeypatch.setattr(planner_module, "DRAFTING_BOUND_Z", bound)
     table = CostTable(step_s={(1, 1): 0.04, (1, 16): 0.05})
     if earlier is not None:
         table.drafted_speedup[1] = earlier
     planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
     planner._promoted = True
-    steps = 0
-    while planner.width([0], 16) == 16:
-        planner._observe([0], 16, [0], [15], 0.05)
-        steps += 1
-    assert steps == drafted_steps
+    assert _drafted_run(planner, [1], 0.05) == drafted_steps
     assert earlier is None or table.drafting_speedup(1) < earlier  # the table follows what this call measured
 
 
@@ -441,7 +515,7 @@ def test_a_kernel_trial_step_counts_in_the_rates_and_prices_its_width_until_a_ti
     planner._observe(rows, 2, [1] * 8, [1] * 8, 0.40)
     # no drafted step again just to measure: the trial priced width 2, and the call's rate has the step
     assert not planner._promoted and table.step_s[(8, 2)] == pytest.approx(0.40)
-    assert planner._drafted[8] == [16.0, 0.40, 1]
+    assert planner._drafted[8] == pytest.approx([16.0, 0.40, 1, 0.75, 0.75**2])  # 40 tokens/s over 53.3
     planner.trial()
     planner._observe(rows, 2, [1] * 8, [1] * 8, 0.35)  # trials price by the fastest of them (the kernel kept)
     assert table.step_s[(8, 2)] == pytest.approx(0.35)

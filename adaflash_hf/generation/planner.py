@@ -128,6 +128,18 @@ CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 # first one or two alone stopped where drafting paid (BENCHMARKS.md section 26).
 RATE_PRIOR_STEPS = 2.0
 RATE_PRIOR_CAP = 1.5
+# Not used by default (0 and ``False``): with a length head, a call that is drafting may go on while an upper bound of
+# its rate, this many standard errors of its samples' speedups above their mean, beats plain steps (one drafted step's
+# speedup ranges over 0.4-3x on code and shell where the mean is about 1.1; the spread, before a call has seen enough
+# of its own, is `SPREAD_PRIOR`, shell's measured standard deviation, counted as `SPREAD_PRIOR_STEPS` samples), and
+# probes' blocks may be samples of drafting's rate (`_observe_shadow_rate`). Together they drafted more where drafting
+# pays (shell 1.11-1.13x against 1.05-1.08x) and also where it loses (chat 0.91-0.97x against 0.96-1.00x), so they
+# wait for a rule that starts drafting on chat as rarely as the shipped one (BENCHMARKS.md section 27); the A/B sets
+# them (`adaflash_demo.bench.rate_prior`).
+DRAFTING_BOUND_Z = 0.0
+SPREAD_PRIOR = 0.5
+SPREAD_PRIOR_STEPS = 2.0
+PROBE_SAMPLES = False
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -153,7 +165,8 @@ class CostTable:
     step_s: dict[tuple[int, int], float] = field(default_factory=dict)
     acceptance: float = PRIOR_ACCEPTANCE  # pooled per-draft acceptance of the last call
     probe_interval: int = FIRST_PROBE_INTERVAL
-    # rows -> committed tokens per second of drafted steps over a plain step's (rows / S(rows, 1)), moving average by
+    # rows -> committed tokens per second of drafted steps (and, with `PROBE_SAMPLES`, of probes' blocks at the head's
+    # width: `VerificationPlanner._observe_shadow_rate`) over a plain step's (rows / S(rows, 1)), moving average by
     # `DRAFTED_EMA`
     drafted_speedup: dict[int, float] = field(default_factory=dict)
     head_scale: float = 1.0  # calibration of the length head's predicted accepted drafts
@@ -250,11 +263,15 @@ class CostTable:
         probe = self._nearest(self.probe_s, rows)
         return self._nearest(self.draft_s, rows) if probe is None else probe
 
-    def observe_drafted(self, rows: int, tokens: float, seconds: float) -> None:
+    def observe_drafted(self, rows: int, tokens: float, seconds: float) -> float | None:
+        """Moves drafting's speedup at ``rows`` towards this drafted step's; returns the step's (``None`` before a
+        plain step's cost is known)."""
         plain = self.cost(rows, 1)
         if plain is None:
-            return
-        _moving(self.drafted_speedup, rows, (tokens / max(seconds, 1e-9)) / (rows / plain), DRAFTED_EMA)
+            return None
+        speedup = (tokens / max(seconds, 1e-9)) / (rows / plain)
+        _moving(self.drafted_speedup, rows, speedup, DRAFTED_EMA)
+        return speedup
 
     def drafting_speedup(self, rows: int) -> float | None:
         """How much faster than plain steps drafted steps have committed tokens, at ``rows`` rows (or the nearest
@@ -453,6 +470,7 @@ class VerificationPlanner:
         self._trial = False
         self._shadow_now = False  # this step is a probe: the drafter drafts, the target verifies the anchor only
         self._shadow_drafted = False  # and the drafter did draft (no row's budget left room: a plain step)
+        self._shadow_width: int | None = None  # with a length head, the width the head chose for the probe's block
         # row -> [its probe's drafts, drafts matched so far, resolved, refuted (a committed token disagreed)]
         self._shadows: dict[int, list] = {}
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
@@ -461,6 +479,7 @@ class VerificationPlanner:
         # earlier calls' drafting speedups, taken before this call's own steps move them
         self._drafted: dict[int, list[float]] = {}
         self._earlier_speedup = dict(table.drafted_speedup)
+        self._drafting = False  # the last step was a drafted one
         # whether this call has scored a probe or verified drafts: until then its content is unknown (the last call's
         # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
         self._evidence = not probe_first
@@ -506,6 +525,9 @@ class VerificationPlanner:
             self._shadow_drafted = True
             for slot, row in enumerate(rows):
                 self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False, False]
+            self._shadow_width = None
+            if self.length_head and drafts.length_prediction is not None and int(drafts.num_drafts.max()) > 0:
+                self._shadow_width = self._head_width(len(rows), drafts.length_prediction, drafts.num_drafts)[0]
             return torch.zeros_like(drafts.num_drafts)
         if self.length_head and drafts.length_prediction is not None:
             return self.refine(rows, drafts.length_prediction, drafts.num_drafts)
@@ -714,17 +736,26 @@ class VerificationPlanner:
         call's first drafted steps are few, and on their own one unlucky step would stop a call where drafting pays,
         to resume only at the next promoted probe. Before the call has drafted, a probe's block that would have paid
         is what starts drafting (`score_shadows`), or, in a call that does not start with a probe, the earlier calls'
-        speedup; else a plain step."""
+        speedup; else a plain step. With `DRAFTING_BOUND_Z` (off by default), a call that is drafting goes on while
+        the upper bound beats plain steps, and one that is not starts on the mean itself."""
         sums = CostTable._nearest(self._drafted, count)
         if sums is None:
             prior = self._prior_rate and self.table.drafting_speedup(count) >= 1.0
             return max_width if prior else 1
-        tokens, seconds, steps = sums
+        tokens, seconds, steps, speedups, squares = sums
         own = (tokens / seconds) / (count / self.table.cost(count, 1))
         earlier = CostTable._nearest(self._earlier_speedup, count)
+        weight = steps
         if earlier is not None:  # capped: after a domain where drafting doubled the rate, a losing call stops soon
             earlier = min(earlier, RATE_PRIOR_CAP)
             own = (steps * own + RATE_PRIOR_STEPS * earlier) / (steps + RATE_PRIOR_STEPS)
+            weight += RATE_PRIOR_STEPS
+        if DRAFTING_BOUND_Z > 0 and self._drafting:
+            mean = speedups / steps
+            spread = (max(squares - steps * mean * mean, 0.0) + SPREAD_PRIOR_STEPS * SPREAD_PRIOR**2) / (
+                steps - 1 + SPREAD_PRIOR_STEPS
+            )
+            own += DRAFTING_BOUND_Z * math.sqrt(spread / weight)
         return max_width if own >= 1.0 else 1
 
     # ------------------------------------------------------------------ probes
@@ -752,12 +783,41 @@ class VerificationPlanner:
         else:
             return
         self._evidence = True
+        if PROBE_SAMPLES and self._shadow_width is not None:
+            self._observe_shadow_rate(self._shadow_width)
         if not self.length_head:  # the geometric model's observations: accepted drafts, then one rejection
             for row, (drafts, matched, _, refuted) in self._shadows.items():
                 if drafts:  # a row still matching when the probe ended early has seen no rejection yet
                     self.successes[row] += matched
                     self.trials[row] += matched + refuted
         self._shadows = {}
+
+    def _observe_shadow_rate(self, width: int) -> None:
+        """With a length head and `PROBE_SAMPLES` (off by default), a probe is one more sample of drafting's rate: the
+        tokens its block would have committed at the width the head chose for it (exactly, under greedy decoding; a
+        row still matching when the probe ended counts what it matched so far), over what that width costs (before
+        one was measured, a plain step plus the draft). Counted like a drafted step's, in the call's samples and the
+        pair's moving average, so that drafting's rate is known where probes did not start drafting (a pair whose
+        probes never win would otherwise keep an old rate for ever), and a call that stopped drafting where drafting
+        pays resumes on evidence beside the earlier calls' rate (`_draft_or_plain`)."""
+        rows = len(self._shadows)
+        plain, cost = self.table.cost(rows, 1), self.table.cost(rows, width)
+        if cost is None:
+            draft = self.table.draft(rows)
+            cost = None if plain is None or draft is None else plain + draft
+        if cost is None:
+            return
+        tokens = sum(1 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values())
+        self._add_drafted_sample(rows, tokens, cost)
+
+    def _add_drafted_sample(self, rows: int, tokens: float, seconds: float) -> None:
+        """One drafted step's (or probe's would-be) committed ``tokens`` in ``seconds`` at ``rows``: the pair's
+        moving average and this call's sums (`_draft_or_plain`)."""
+        speedup = self.table.observe_drafted(rows, tokens, seconds)
+        if speedup is not None:
+            sums = self._drafted.setdefault(rows, [0.0, 0.0, 0, 0.0, 0.0])
+            sums[0], sums[1], sums[2] = sums[0] + tokens, sums[1] + seconds, sums[2] + 1
+            sums[3], sums[4] = sums[3] + speedup, sums[4] + speedup * speedup
 
     def shadow_gain(self) -> float | None:
         """How much faster than plain steps a drafted step would commit tokens after this probe, at the best width,
@@ -800,12 +860,25 @@ class VerificationPlanner:
     ) -> torch.LongTensor:
         """The drafts each row verifies once the drafter has run, from its length head's prediction
         (``length_prediction [R]``: predicted ``(accepted + 1) / block_size``), at most ``num_drafts [R]``."""
-        count, table = len(rows), self.table
+        width, powers = self._head_width(len(rows), length_prediction, num_drafts)
+        if powers is None:
+            return torch.clamp(num_drafts, max=width - 1)
+        # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j
+        self._expected_accepted = powers[:, 1:width].sum(1)
+        committed = float(powers[:, :width].sum())
+        self.last_prediction = {"predicted_step_s": self.table.cost(len(rows), width), "predicted_tokens": committed}
+        return torch.clamp(num_drafts, max=width - 1)
+
+    def _head_width(self, count: int, length_prediction: torch.Tensor, num_drafts: torch.LongTensor):
+        """``(width, powers)``: the width of the highest expected rate under the head's predictions, and the rows'
+        ``p ** j`` behind it (``[R, max_width]``; ``None`` where the width was not chosen by rate: the block allows
+        one draft at most, or no drafted width is measured yet, which the cheapest one measures)."""
+        table = self.table
         max_width = int(num_drafts.max()) + 1
         if max_width <= 2:
-            return num_drafts
-        if table.cost(count, 2) is None:  # no drafted step measured yet: the cheapest one measures one
-            return torch.clamp(num_drafts, max=PROBE_WIDTH - 1)
+            return max_width, None
+        if table.cost(count, 2) is None:
+            return PROBE_WIDTH, None
         predicted = (length_prediction.double().cpu() * self.block_size - 1).clamp(min=0) * table.head_scale
         p = (predicted / (1 + predicted)).clamp(0.0, 0.999)
         powers = p[:, None] ** torch.arange(max_width, dtype=torch.float64)
@@ -814,10 +887,7 @@ class VerificationPlanner:
         width = max(rates, key=rates.get)
         if width < max_width and table.measured(width) and not table.measured(width + 1):
             width += 1  # measure the next width once (as `width` does)
-        # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j
-        self._expected_accepted = powers[:, 1:width].sum(1)
-        self.last_prediction = {"predicted_step_s": table.cost(count, width), "predicted_tokens": committed[width - 1]}
-        return torch.clamp(num_drafts, max=width - 1)
+        return width, powers
 
     # ------------------------------------------------------------------ feedback
 
@@ -858,6 +928,7 @@ class VerificationPlanner:
             if plain is not None and ((timed and not trial) or len(rows) not in self.table.probe_s):
                 self.table.observe_probe(len(rows), max(seconds - plain, 0.0))
             timed = False
+        self._drafting = width > 1 and not self._undrafted
         if self._undrafted and width > 1:  # merged paths without the drafter: costed apart, and say nothing of drafts
             if timed:
                 self.table.observe_undrafted(len(rows), width, seconds, provisional=trial)
@@ -882,9 +953,7 @@ class VerificationPlanner:
         if timed:
             if self._drafted_at is not None:
                 self.table.observe_draft(len(rows), self._drafted_at - self._started)
-            self.table.observe_drafted(len(rows), float(got.sum()) + len(rows), seconds)
-            sums = self._drafted.setdefault(len(rows), [0.0, 0.0, 0])
-            sums[0], sums[1], sums[2] = sums[0] + float(got.sum()) + len(rows), sums[1] + seconds, sums[2] + 1
+            self._add_drafted_sample(len(rows), float(got.sum()) + len(rows), seconds)
         if self._expected_accepted is not None:
             # the head's predictions, scaled, should expect as many accepted drafts as the target accepts
             ratio = (float(got.sum()) + 1.0) / (float(self._expected_accepted.sum()) + 1.0)

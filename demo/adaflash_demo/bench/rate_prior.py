@@ -1,17 +1,18 @@
-"""What the earlier calls' drafting rate beside a call's own drafted steps is worth (`planner.RATE_PRIOR_STEPS`).
+"""The planner's draft-or-plain rule with a length head, against the head's own policy (`planner._draft_or_plain`).
 
-With a length head, the planner drafts while the call's drafted steps, summed, commit tokens faster than plain
-steps. A call's first drafted steps are few, and half of them accept nothing on code: judged on them alone, a call
-stopped drafting where the head's own policy (``adaflash_adaptive``) showed it paid. This times the planner with the
-earlier calls' rate (a slow moving average, `DRAFTED_EMA`) counted as ``RATE_PRIOR_STEPS`` steps and with none (the
-call's own steps alone, the rate a fast average as before), the head's own policy beside them, interleaved with
+With a length head, the planner drafts while this call's drafted steps, summed, beat plain steps. This times the
+planner as shipped (its call's mean beside two steps at the earlier calls' rate: BENCHMARKS.md section 26), the
+planner with the rule of section 27, not shipped (probes' blocks are samples of the rate, and a call that is drafting
+stops only once an upper bound of its rate loses: `planner.DRAFTING_BOUND_Z`, `planner.PROBE_SAMPLES`), optionally
+the planner before section 26 (the call's own steps alone), and the head's own policy beside them, interleaved with
 plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1, every output
 asserted identical to plain's:
 
     python -m adaflash_demo.bench.rate_prior --domains code,shell,chat --prompts-per-domain 16 --repeats 2
 
 It prints, per domain, each variant's speedup over plain with its 95% interval (paired bootstrap over calls,
-`harness.speedup_interval`) and each planner variant's drafted steps.
+`harness.speedup_interval`) and each variant's drafted steps. Each variant has its own copy of the drafter (its own
+runtime profile, which starts empty unless ``ADAFLASH_HF_PROFILE_DIR`` holds one).
 """
 
 from __future__ import annotations
@@ -30,19 +31,30 @@ from adaflash_hf.generation import planner as planner_module
 
 from .ab import load_for_ab, speedup_cell
 
-SHIPPED = {"RATE_PRIOR_STEPS": planner_module.RATE_PRIOR_STEPS, "DRAFTED_EMA": planner_module.DRAFTED_EMA}
-# a call judges its drafted steps alone, drafting's rate a fast moving average (the planner before the prior)
-OWN_STEPS_ONLY = {"RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
+CONSTANTS = (
+    "RATE_PRIOR_STEPS",
+    "DRAFTED_EMA",
+    "DRAFTING_BOUND_Z",
+    "PROBE_SAMPLES",
+)
+SHIPPED = {name: getattr(planner_module, name) for name in CONSTANTS}
+# section 27's rule, not shipped: probes' blocks are samples of drafting's rate, and an upper bound stops a call
+BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 1.0, "PROBE_SAMPLES": True}
+# before section 26: a call judges its drafted steps alone, drafting's rate a fast moving average
+OWN_STEPS_ONLY = {**SHIPPED, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
+ALL = ("planner with the bound (section 27)", "planner", "planner on its own steps", "head's policy")
+DEFAULT = ("planner with the bound (section 27)", "planner", "head's policy")
 
 
 def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
-    """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: all)."""
+    """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: `DEFAULT`)."""
     every = {
+        "planner with the bound (section 27)": ("planned", BOUND),
         "planner": ("planned", SHIPPED),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
         "head's policy": ("adaptive", SHIPPED),
     }
-    return every if names is None else {name: every[name] for name in names}
+    return {name: every[name] for name in (DEFAULT if names is None else names)}
 
 
 def _set(constants: dict) -> None:
@@ -82,7 +94,7 @@ def measure(target, tokenizer, drafter, texts: list[str], max_new_tokens: int, r
                         _set(chosen[name][1])
                         with record_stats() as stats:
                             out = target.generate(**ids, generation_config=configs[name], assistant_model=copies[name])
-                        kinds = stats.summary()["steps_by_kind"]
+                        kinds = stats.summary()["steps_by_kind"]  # the head's policy: "drafted" unless width 1
                         steps[name][0] += kinds.get("drafted", 0)
                         steps[name][1] += sum(kinds.values())
                     calls[name].append((out.shape[1] - ids["input_ids"].shape[1], time.perf_counter() - start))
@@ -97,7 +109,7 @@ def measure(target, tokenizer, drafter, texts: list[str], max_new_tokens: int, r
 def report(domain: str, measured: dict, names) -> str:
     calls, plain = measured["calls"], measured["calls"]["plain"]
     cells = []
-    for name in variants(names):
+    for name in names:
         drafted, total = measured["steps"][name]
         cells.append(f"{speedup_cell(calls[name], plain)} ({drafted}/{total} drafted)")
     return f"| {domain} | {len(plain)} | {' | '.join(cells)} |"
@@ -109,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-domain", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(variants()), help="comma-separated, among the default")
+    every = list(ALL)
+    parser.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, among {every}")
     args = parser.parse_args(argv)
     names = args.variants.split(",")
-    if set(names) - set(variants()):
-        parser.error(f"--variants: unknown {sorted(set(names) - set(variants()))}; choose among {list(variants())}")
+    if set(names) - set(every):
+        parser.error(f"--variants: unknown {sorted(set(names) - set(every))}; choose among {every}")
     target, tokenizer, drafter, prompts = load_for_ab(parser, args)
     print(f"| domain | calls | {' | '.join(names)} |")
     print("|---|---|" + "---|" * len(names))
