@@ -526,7 +526,7 @@ class VerificationPlanner:
             for slot, row in enumerate(rows):
                 self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False, False]
             self._shadow_width = None
-            if self.length_head and drafts.length_prediction is not None and int(drafts.num_drafts.max()) > 0:
+            if PROBE_SAMPLES and self.length_head and drafts.length_prediction is not None and drafts.num_drafts.any():
                 self._shadow_width = self._head_width(len(rows), drafts.length_prediction, drafts.num_drafts)[0]
             return torch.zeros_like(drafts.num_drafts)
         if self.length_head and drafts.length_prediction is not None:
