@@ -263,6 +263,16 @@ class CostTable:
         probe = self._nearest(self.probe_s, rows)
         return self._nearest(self.draft_s, rows) if probe is None else probe
 
+    def drafted_cost(self, rows: int, width: int) -> float | None:
+        """Seconds of a drafted step of ``width`` at ``rows``: its price (`cost`), or, before any drafted width
+        can price it, the cheapest a drafted step can cost (a plain step plus the draft); ``None`` before either is
+        known."""
+        cost = self.cost(rows, width)
+        if cost is not None:
+            return cost
+        plain, draft = self.cost(rows, 1), self.draft(rows)
+        return None if plain is None or draft is None else plain + draft
+
     def observe_drafted(self, rows: int, tokens: float, seconds: float) -> float | None:
         """Moves drafting's speedup at ``rows`` towards this drafted step's; returns the step's (``None`` before a
         plain step's cost is known)."""
@@ -801,10 +811,7 @@ class VerificationPlanner:
         probes never win would otherwise keep an old rate for ever), and a call that stopped drafting where drafting
         pays resumes on evidence beside the earlier calls' rate (`_draft_or_plain`)."""
         rows = len(self._shadows)
-        plain, cost = self.table.cost(rows, 1), self.table.cost(rows, width)
-        if cost is None:
-            draft = self.table.draft(rows)
-            cost = None if plain is None or draft is None else plain + draft
+        cost = self.table.drafted_cost(rows, width)
         if cost is None:
             return
         tokens = sum(1 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values())
@@ -851,8 +858,7 @@ class VerificationPlanner:
         committed = torch.minimum(expected, realized).sum(0).tolist()
         best = 0.0
         for width in range(2, longest + 2):
-            cost = self.table.cost(rows, width)
-            best = max(best, committed[width - 1] / (plain + draft if cost is None else cost))
+            best = max(best, committed[width - 1] / self.table.drafted_cost(rows, width))
         return best / (rows / plain)
 
     def refine(
