@@ -4,7 +4,8 @@ With a length head, the planner drafts while this call's drafted steps, summed, 
 planner as shipped (its call's mean beside two steps at the earlier calls' rate: BENCHMARKS.md section 26), the
 planner with the rule of section 27, not shipped (probes' blocks are samples of the rate, and a call that is drafting
 stops only once an upper bound of its rate loses: `planner.DRAFTING_BOUND_Z`, `planner.PROBE_SAMPLES`), optionally
-the planner before section 26 (the call's own steps alone), and the head's own policy beside them, interleaved with
+the planner before section 26 (the call's own steps alone), the rules of section 28 (a call starting to draft on the
+pair's rate, with or without the bound), and the head's own policy beside them, interleaved with
 plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1, every output
 asserted identical to plain's:
 
@@ -36,13 +37,33 @@ CONSTANTS = (
     "DRAFTED_EMA",
     "DRAFTING_BOUND_Z",
     "PROBE_SAMPLES",
+    "PROBE_SAMPLES_IN_CALL",
+    "START_ON_RATE",
+    "HEAD_BY_ACCEPTANCE",
+    "PROVISIONAL_CAP",
 )
 SHIPPED = {name: getattr(planner_module, name) for name in CONSTANTS}
 # section 27's rule, not shipped: probes' blocks are samples of drafting's rate, and an upper bound stops a call
 BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 1.0, "PROBE_SAMPLES": True}
+# calls start drafting on the pair's rate, which probes' blocks inform (section 28)
+ON_RATE = {**SHIPPED, "START_ON_RATE": True, "PROBE_SAMPLES": True, "PROBE_SAMPLES_IN_CALL": False}
+ON_RATE_BOUND = {**ON_RATE, "DRAFTING_BOUND_Z": 1.0}
+# the shipped rule, a kernel trial's step pricing its width at most as a plain step and the draft (section 28)
+TRIAL_CAP = {**SHIPPED, "PROVISIONAL_CAP": True}
+# draft or not by the geometric model on the call's accepted drafts, beside the last call's acceptance (section 28)
+BY_ACCEPTANCE = {**SHIPPED, "START_ON_RATE": True, "HEAD_BY_ACCEPTANCE": True, "PROVISIONAL_CAP": True}
 # before section 26: a call judges its drafted steps alone, drafting's rate a fast moving average
 OWN_STEPS_ONLY = {**SHIPPED, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
-ALL = ("planner with the bound (section 27)", "planner", "planner on its own steps", "head's policy")
+ALL = (
+    "planner with the bound (section 27)",
+    "planner starting on the rate",
+    "planner by acceptance",
+    "planner with the trial cap",
+    "planner starting on the rate with the bound",
+    "planner",
+    "planner on its own steps",
+    "head's policy",
+)
 DEFAULT = ("planner with the bound (section 27)", "planner", "head's policy")
 
 
@@ -50,6 +71,10 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
     """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: `DEFAULT`)."""
     every = {
         "planner with the bound (section 27)": ("planned", BOUND),
+        "planner starting on the rate": ("planned", ON_RATE),
+        "planner by acceptance": ("planned", BY_ACCEPTANCE),
+        "planner with the trial cap": ("planned", TRIAL_CAP),
+        "planner starting on the rate with the bound": ("planned", ON_RATE_BOUND),
         "planner": ("planned", SHIPPED),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
         "head's policy": ("adaptive", SHIPPED),
