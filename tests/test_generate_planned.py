@@ -430,57 +430,6 @@ def test_starting_on_the_rate_a_call_drafts_at_once_where_drafting_paid_and_prob
         assert all(width == 1 for _, width in history)
 
 
-@pytest.fixture
-def by_acceptance(monkeypatch):
-    """The draft-or-plain rule of BENCHMARKS.md section 28, not shipped: with a length head, the geometric model on the
-    call's accepted drafts (probes' blocks included) beside the last call's acceptance, as without one; a call starts
-    on that prior; a kernel trial prices its width at most as a plain step and the draft."""
-    monkeypatch.setattr(planner_module, "HEAD_BY_ACCEPTANCE", True)
-    monkeypatch.setattr(planner_module, "START_ON_RATE", True)
-    monkeypatch.setattr(planner_module, "PROVISIONAL_CAP", True)
-
-
-def test_by_acceptance_a_call_starts_on_the_last_calls_acceptance_and_stops_on_its_own(by_acceptance):
-    costs = {(1, 1): 1.0, (1, 2): 1.3, (1, 16): 2.0}
-    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, probe_s={1: 0.2}, acceptance=0.7)
-    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
-    # no probe first: the last call accepted 70% of its drafts, so the whole block is drafted for the head to cut
-    assert planner.width([0], 16) == 16 and not planner._shadow_now
-    # drafts the target rejects, one after another: the call's own record outweighs that prior within a few steps
-    history = _drive(planner, 40, agrees=lambda step: False, costs=costs)
-    drafted = [i for i, (_, width) in enumerate(history) if width > 1]
-    assert drafted and drafted == list(range(len(drafted))) and len(drafted) <= 4
-    assert table.acceptance == 0.0  # the next call's prior
-    # where the last call accepted little, a call steps plainly, and probes within the budget counted across calls
-    # (a call's own plain steps alone would never reach a probe in a short call)
-    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, probe_s={1: 0.2}, acceptance=0.05, idle_steps=1000)
-    history = _drive(
-        VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True), 3, lambda s: False, costs
-    )
-    assert history[0] == (True, 1) and all(width == 1 for _, width in history)
-
-
-def test_by_acceptance_a_probes_matched_drafts_are_the_calls_evidence(by_acceptance):
-    costs = {(1, 1): 1.0, (1, 2): 2.0, (1, 16): 2.0}  # dear enough that one matched draft does not start drafting
-    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, probe_s={1: 0.2}, acceptance=0.05)
-    planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
-    planner._shadow_now = True
-    drafts = SimpleNamespace(tokens=torch.full((1, 15), 7), num_drafts=torch.tensor([15]), length_prediction=None)
-    planner.after_draft([0], drafts)
-    planner.score_shadows([0], [[7]])
-    planner.score_shadows([0], [[8]])  # one draft matched, the second refuted
-    assert (float(planner.successes[0]), float(planner.trials[0])) == (1.0, 2.0)
-    assert not planner._shadows and not planner._promoted
-
-
-def test_by_acceptance_a_kernel_trial_prices_its_width_at_most_as_a_plain_step_and_the_draft(by_acceptance):
-    table = CostTable(step_s={(1, 1): 1.0}, draft_s={1: 0.2})
-    table.observe(1, 3, 2.5, provisional=True)  # the trial timed a slow candidate kernel
-    assert table.cost(1, 3) == pytest.approx(1.2)
-    table.observe(1, 3, 1.4)  # a step with the kernel kept replaces it
-    assert table.cost(1, 3) == pytest.approx(1.4)
-
-
 def test_a_probe_whose_block_would_have_paid_resumes_drafting():
     costs = {(1, 1): 1.0, (1, 2): 1.2, (1, 16): 2.0}
     planner = _planner(costs, acceptance=0.05)  # the last call's prompts did not draft well

@@ -142,12 +142,11 @@ SPREAD_PRIOR_STEPS = 2.0
 PROBE_SAMPLES = False
 # Not used by default either (BENCHMARKS.md section 28): with a length head, a call that starts drafting at once where
 # the pair's rate says drafting pays (an answer's first steps are where code's drafts are accepted most), its probes
-# still at the pace counted across calls; with `PROBE_SAMPLES`, probes' samples kept out of the call's own mean.
-# Measured no faster than the shipped rule on code and shell.
+# still at the pace counted across calls; with `PROBE_SAMPLES`, probes' samples kept out of the call's own mean. With
+# the bound, one run drafted more where drafting pays (code 1.05x against 0.985x, shell 1.11x against 1.06x) and no
+# more where it loses (chat and changelog as the shipped rule): off until a second run, in both domain orders, agrees.
 PROBE_SAMPLES_IN_CALL = True
 START_ON_RATE = False
-HEAD_BY_ACCEPTANCE = False  # with a length head, draft or not by the geometric model (`_best_width`), as without one
-PROVISIONAL_CAP = False  # a kernel trial's step prices its width at most as a plain step plus the draft
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -202,10 +201,6 @@ class CostTable:
         replaces it."""
         costs, tag = getattr(self, name), (name, key)
         if provisional:
-            if PROVISIONAL_CAP and name == "step_s":
-                plain, draft = self.plain_cost(key[0]), self.draft(key[0])
-                if plain is not None and draft is not None:
-                    seconds = min(seconds, plain + draft)
             if key not in costs or tag in self._provisional:
                 costs[key] = seconds if key not in costs else min(costs[key], seconds)
                 self._provisional.add(tag)
@@ -607,8 +602,7 @@ class VerificationPlanner:
         self._probing, self._shadow_now, self._shadow_drafted, self.last_prediction = False, False, False, None
         if plain is None or max_width == 1 or not table.plain_known():
             return 1  # measure plain steps first: every other choice is compared with them
-        by_rate = self.length_head and not HEAD_BY_ACCEPTANCE
-        unmeasured = (table.drafting_speedup(count) if by_rate else full) is None
+        unmeasured = (table.drafting_speedup(count) if self.length_head else full) is None
         if self._promoted:  # a probe's block would have paid: draft for real, and measure what it costs
             self._promoted, self._probing = False, True
             if self.length_head:
@@ -617,12 +611,10 @@ class VerificationPlanner:
             return width
         if unmeasured or not (self._evidence or self._prior_rate):
             width = 1  # no drafted cost, or nothing yet of this call's content: a probe first (below)
-        elif by_rate:
+        elif self.length_head:
             width = self._draft_or_plain(count, max_width)
         else:
             width = self._best_width(rows, max_width)
-            if self.length_head and width > 1:
-                width = max_width  # the head's prediction cuts it (`refine`)
         first = not self._evidence or (unmeasured and not self._probes)  # nothing known yet of this call
         due = self._first_probe_due(count) if first else self.plain_streak >= self.probe_interval(count)
         if width == 1 and not self._shadows and due:
@@ -812,7 +804,7 @@ class VerificationPlanner:
         self._evidence = True
         if PROBE_SAMPLES and self._shadow_width is not None:
             self._observe_shadow_rate(self._shadow_width)
-        if not self.length_head or HEAD_BY_ACCEPTANCE:  # the geometric model's observations: drafts, one rejection
+        if not self.length_head:  # the geometric model's observations: accepted drafts, then one rejection
             for row, (drafts, matched, _, refuted) in self._shadows.items():
                 if drafts:  # a row still matching when the probe ended early has seen no rejection yet
                     self.successes[row] += matched

@@ -39,8 +39,6 @@ CONSTANTS = (
     "PROBE_SAMPLES",
     "PROBE_SAMPLES_IN_CALL",
     "START_ON_RATE",
-    "HEAD_BY_ACCEPTANCE",
-    "PROVISIONAL_CAP",
 )
 SHIPPED = {name: getattr(planner_module, name) for name in CONSTANTS}
 # section 27's rule, not shipped: probes' blocks are samples of drafting's rate, and an upper bound stops a call
@@ -48,17 +46,11 @@ BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 1.0, "PROBE_SAMPLES": True}
 # calls start drafting on the pair's rate, which probes' blocks inform (section 28)
 ON_RATE = {**SHIPPED, "START_ON_RATE": True, "PROBE_SAMPLES": True, "PROBE_SAMPLES_IN_CALL": False}
 ON_RATE_BOUND = {**ON_RATE, "DRAFTING_BOUND_Z": 1.0}
-# the shipped rule, a kernel trial's step pricing its width at most as a plain step and the draft (section 28)
-TRIAL_CAP = {**SHIPPED, "PROVISIONAL_CAP": True}
-# draft or not by the geometric model on the call's accepted drafts, beside the last call's acceptance (section 28)
-BY_ACCEPTANCE = {**SHIPPED, "START_ON_RATE": True, "HEAD_BY_ACCEPTANCE": True, "PROVISIONAL_CAP": True}
 # before section 26: a call judges its drafted steps alone, drafting's rate a fast moving average
 OWN_STEPS_ONLY = {**SHIPPED, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
 ALL = (
     "planner with the bound (section 27)",
     "planner starting on the rate",
-    "planner by acceptance",
-    "planner with the trial cap",
     "planner starting on the rate with the bound",
     "planner",
     "planner on its own steps",
@@ -72,8 +64,6 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
     every = {
         "planner with the bound (section 27)": ("planned", BOUND),
         "planner starting on the rate": ("planned", ON_RATE),
-        "planner by acceptance": ("planned", BY_ACCEPTANCE),
-        "planner with the trial cap": ("planned", TRIAL_CAP),
         "planner starting on the rate with the bound": ("planned", ON_RATE_BOUND),
         "planner": ("planned", SHIPPED),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
