@@ -56,7 +56,7 @@ ALL = (
     "planner on its own steps",
     "head's policy",
 )
-DEFAULT = ("planner with the bound (section 27)", "planner", "head's policy")
+DEFAULT = ("planner starting on the rate with the bound", "planner", "head's policy")
 
 
 def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
