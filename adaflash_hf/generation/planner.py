@@ -55,9 +55,12 @@ its drafts the target will accept; that sees easy and hard spans, which a row's 
 then has two decisions. *Before* drafting: draft or step plainly, by comparing the measured rate of this call's drafted
 steps (committed tokens per second, all of them summed per row count, head-chosen widths included) with a plain step's
 ``R / S(R, 1)``, the call's speedup counted beside `RATE_PRIOR_STEPS` steps at the earlier calls' (a slow moving
-average: one step's speedup is noisy, and a call judged on its first one or two stops where drafting pays); a call
-starts drafting when a probe's block would have paid (a call's first probe as above: the
-earlier calls' content says little about this one's), and probes are forced after plain streaks as above. *After*
+average: one step's speedup is noisy, and a call judged on its first one or two stops where drafting pays), and a
+call that is drafting goes on while an upper bound of that rate beats plain steps. A call drafts from its first step
+where the pair's rate beats plain steps (an answer's first steps are where code's drafts are accepted most), and
+otherwise starts drafting when a probe's block would have paid; a probe's block is also one more sample of the pair's
+rate (not of the call's), so a pair whose probes never start drafting still learns its rate. Probes come after plain
+streaks as above. *After*
 drafting (`refine`): the width, with each row's ``p`` taken from its head prediction instead of its history (a
 predicted ``a`` accepted drafts is a geometric ``p = a / (1 + a)``), the predictions scaled by a calibration factor
 that follows the ratio of accepted to expected drafts. The width maximises the same expected rate
@@ -128,25 +131,21 @@ CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 # first one or two alone stopped where drafting paid (BENCHMARKS.md section 26).
 RATE_PRIOR_STEPS = 2.0
 RATE_PRIOR_CAP = 1.5
-# Not used by default (0 and ``False``): with a length head, a call that is drafting may go on while an upper bound of
-# its rate, this many standard errors of its samples' speedups above their mean, beats plain steps (one drafted step's
-# speedup ranges over 0.4-3x on code and shell where the mean is about 1.1; the spread, before a call has seen enough
-# of its own, is `SPREAD_PRIOR`, shell's measured standard deviation, counted as `SPREAD_PRIOR_STEPS` samples), and
-# probes' blocks may be samples of drafting's rate (`_observe_shadow_rate`). Together they drafted more where drafting
-# pays (shell 1.11-1.13x against 1.05-1.08x) and also where it loses (chat 0.91-0.97x against 0.96-1.00x), so they
-# wait for a rule that starts drafting on chat as rarely as the shipped one (BENCHMARKS.md section 27); the A/B sets
-# them (`adaflash_demo.bench.rate_prior`).
-DRAFTING_BOUND_Z = 0.0
+# With a length head (`_draft_or_plain`): a call drafts from its first step where the pair's rate says drafting pays
+# (`START_ON_RATE`: an answer's first steps are where code's and shell's drafts are accepted most), else it steps
+# plainly with probes at the pace counted across calls; a probe's block is one more sample of the pair's rate, not of
+# the call's (`PROBE_SAMPLES`, `_observe_shadow_rate`: a pair whose probes never start drafting still learns its
+# rate); and a call that is drafting goes on while an upper bound of its rate, `DRAFTING_BOUND_Z` standard errors of
+# its steps' speedups above their mean, beats plain steps (one drafted step's speedup ranges over 0.4-3x on code and
+# shell where the mean is about 1.1; before a call has seen enough of its own, the spread is `SPREAD_PRIOR`, shell's
+# measured standard deviation, counted as `SPREAD_PRIOR_STEPS` samples). Chosen by A/B against the rule without them
+# on two machines, the domains in both orders (BENCHMARKS.md sections 28 and 29); `adaflash_demo.bench.rate_prior`
+# switches them off for that rule.
+DRAFTING_BOUND_Z = 1.0
 SPREAD_PRIOR = 0.5
 SPREAD_PRIOR_STEPS = 2.0
-PROBE_SAMPLES = False
-# Not used by default either (BENCHMARKS.md section 28): with a length head, a call that starts drafting at once where
-# the pair's rate says drafting pays (an answer's first steps are where code's drafts are accepted most), its probes
-# still at the pace counted across calls; with `PROBE_SAMPLES`, probes' samples kept out of the call's own mean. With
-# the bound, one run drafted more where drafting pays (code 1.05x against 0.985x, shell 1.11x against 1.06x) and no
-# more where it loses (chat and changelog as the shipped rule): off until a second run, in both domain orders, agrees.
-PROBE_SAMPLES_IN_CALL = True
-START_ON_RATE = False
+PROBE_SAMPLES = True
+START_ON_RATE = True
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -500,8 +499,8 @@ class VerificationPlanner:
         # whether this call has scored a probe or verified drafts: until then its content is unknown (the last call's
         # acceptance says little about a new prompt), so it starts with a probe instead of drafting on that prior
         self._evidence = not probe_first
-        # with a length head, draft on the earlier calls' rate (`_draft_or_plain`), or by `START_ON_RATE` on the pair's
-        # prior while probes still come at the pace counted across calls (`_first_probe_due`)
+        # with a length head, draft on the pair's rate from the first step (`_draft_or_plain`, `START_ON_RATE`), probes
+        # still coming at the pace counted across calls (`_first_probe_due`) while it says drafting loses
         self._prior_rate = not probe_first or (START_ON_RATE and length_head)
         self.last_prediction: dict | None = None
         # merged n-gram paths (`plan_paths`): their tokens in this step's tree per row, whether the drafter runs, and
@@ -753,10 +752,11 @@ class VerificationPlanner:
         outweigh several losing ones, and drafting would go on exactly while it is lucky), their speedup counted
         beside `RATE_PRIOR_STEPS` steps at the earlier calls' (`CostTable.drafting_speedup`, as the call began): a
         call's first drafted steps are few, and on their own one unlucky step would stop a call where drafting pays,
-        to resume only at the next promoted probe. Before the call has drafted, a probe's block that would have paid
-        is what starts drafting (`score_shadows`), or, in a call that does not start with a probe, the earlier calls'
-        speedup; else a plain step. With `DRAFTING_BOUND_Z` (off by default), a call that is drafting goes on while
-        the upper bound beats plain steps, and one that is not starts on the mean itself."""
+        to resume only at the next promoted probe. Before the call has drafted, the pair's rate (which probes' blocks
+        inform) where it beats plain steps (`START_ON_RATE`, or a call that does not start with a probe), or a
+        probe's block that would have paid (`score_shadows`), starts drafting; else a plain step. A call that is
+        drafting goes on while the upper bound (`DRAFTING_BOUND_Z`) beats plain steps, and one that is not starts on
+        the mean itself: exploring is paid for only while drafting."""
         sums = CostTable._nearest(self._drafted, count)
         if sums is None:
             prior = self._prior_rate and self.table.drafting_speedup(count) >= 1.0
@@ -812,26 +812,24 @@ class VerificationPlanner:
         self._shadows = {}
 
     def _observe_shadow_rate(self, width: int) -> None:
-        """With a length head and `PROBE_SAMPLES` (off by default), a probe is one more sample of drafting's rate: the
-        tokens its block would have committed at the width the head chose for it (exactly, under greedy decoding; a
-        row still matching when the probe ended counts what it matched so far), over what that width costs (before
-        one was measured, a plain step plus the draft). Counted like a drafted step's, in the call's samples and the
-        pair's moving average, so that drafting's rate is known where probes did not start drafting (a pair whose
-        probes never win would otherwise keep an old rate for ever), and a call that stopped drafting where drafting
-        pays resumes on evidence beside the earlier calls' rate (`_draft_or_plain`)."""
+        """With a length head and `PROBE_SAMPLES`, a probe is one more sample of drafting's rate: the tokens its
+        block would have committed at the width the head chose for it (exactly, under greedy decoding; a row still
+        matching when the probe ended counts what it matched so far), over what that width costs (before one was
+        measured, a plain step plus the draft). It moves the pair's moving average, so that drafting's rate is known
+        where probes did not start drafting (a pair whose probes never win would otherwise keep an old rate for
+        ever), and a later call, or this one once the rate beats plain steps, drafts on it (`_draft_or_plain`). Not
+        the call's own samples: counted there, probes' lucky blocks started drafting on chat and changelog, where it
+        loses (BENCHMARKS.md section 27)."""
         rows = len(self._shadows)
         cost = self.table.drafted_cost(rows, width)
         if cost is None:
             return
         tokens = sum(1 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values())
-        if PROBE_SAMPLES_IN_CALL:
-            self._add_drafted_sample(rows, tokens, cost)
-        else:
-            self.table.observe_drafted(rows, tokens, cost)
+        self.table.observe_drafted(rows, tokens, cost)
 
     def _add_drafted_sample(self, rows: int, tokens: float, seconds: float) -> None:
-        """One drafted step's (or probe's would-be) committed ``tokens`` in ``seconds`` at ``rows``: the pair's
-        moving average and this call's sums (`_draft_or_plain`)."""
+        """One drafted step's committed ``tokens`` in ``seconds`` at ``rows``: the pair's moving average and this
+        call's sums (`_draft_or_plain`)."""
         speedup = self.table.observe_drafted(rows, tokens, seconds)
         if speedup is not None:
             sums = self._drafted.setdefault(rows, [0.0, 0.0, 0, 0.0, 0.0])

@@ -1,13 +1,13 @@
 """The planner's draft-or-plain rule with a length head, against the head's own policy (`planner._draft_or_plain`).
 
-With a length head, the planner drafts while this call's drafted steps, summed, beat plain steps. This times the
-planner as shipped (its call's mean beside two steps at the earlier calls' rate: BENCHMARKS.md section 26), the
-planner with the rule of section 27, not shipped (probes' blocks are samples of the rate, and a call that is drafting
-stops only once an upper bound of its rate loses: `planner.DRAFTING_BOUND_Z`, `planner.PROBE_SAMPLES`), optionally
-the planner before section 26 (the call's own steps alone), the rules of section 28 (a call starting to draft on the
-pair's rate, with or without the bound), and the head's own policy beside them, interleaved with
-plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1, every output
-asserted identical to plain's:
+With a length head, the planner drafts while this call's drafted steps, summed, beat plain steps, beside two steps at
+the pair's earlier rate (BENCHMARKS.md section 26); as shipped, a call drafts from its first step where the pair's
+rate beats plain steps, probes' blocks are samples of that rate, and a call that is drafting stops only once an upper
+bound of its rate loses (`planner.START_ON_RATE`, `PROBE_SAMPLES`, `DRAFTING_BOUND_Z`: sections 28 and 29). This
+times the planner as shipped, the planner before section 29 (none of the three), optionally the shipped rule without
+the bound and the rule before section 26 (the call's own steps alone), and the head's own policy beside them,
+interleaved with plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1,
+every output asserted identical to plain's:
 
     python -m adaflash_demo.bench.rate_prior --domains code,shell,chat --prompts-per-domain 16 --repeats 2
 
@@ -32,40 +32,29 @@ from adaflash_hf.generation import planner as planner_module
 
 from .ab import load_for_ab, speedup_cell
 
-CONSTANTS = (
-    "RATE_PRIOR_STEPS",
-    "DRAFTED_EMA",
-    "DRAFTING_BOUND_Z",
-    "PROBE_SAMPLES",
-    "PROBE_SAMPLES_IN_CALL",
-    "START_ON_RATE",
-)
+CONSTANTS = ("RATE_PRIOR_STEPS", "DRAFTED_EMA", "DRAFTING_BOUND_Z", "PROBE_SAMPLES", "START_ON_RATE")
 SHIPPED = {name: getattr(planner_module, name) for name in CONSTANTS}
-# section 27's rule, not shipped: probes' blocks are samples of drafting's rate, and an upper bound stops a call
-BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 1.0, "PROBE_SAMPLES": True}
-# calls start drafting on the pair's rate, which probes' blocks inform (section 28)
-ON_RATE = {**SHIPPED, "START_ON_RATE": True, "PROBE_SAMPLES": True, "PROBE_SAMPLES_IN_CALL": False}
-ON_RATE_BOUND = {**ON_RATE, "DRAFTING_BOUND_Z": 1.0}
+WITHOUT_BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 0.0}
+# before section 29: a call starts with a probe, its probes only start drafting, and its own mean alone stops it
+BEFORE_29 = {**WITHOUT_BOUND, "START_ON_RATE": False, "PROBE_SAMPLES": False}
 # before section 26: a call judges its drafted steps alone, drafting's rate a fast moving average
-OWN_STEPS_ONLY = {**SHIPPED, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
+OWN_STEPS_ONLY = {**BEFORE_29, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
 ALL = (
-    "planner with the bound (section 27)",
-    "planner starting on the rate",
-    "planner starting on the rate with the bound",
     "planner",
+    "planner without the bound",
+    "planner before section 29",
     "planner on its own steps",
     "head's policy",
 )
-DEFAULT = ("planner starting on the rate with the bound", "planner", "head's policy")
+DEFAULT = ("planner", "planner before section 29", "head's policy")
 
 
 def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
     """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: `DEFAULT`)."""
     every = {
-        "planner with the bound (section 27)": ("planned", BOUND),
-        "planner starting on the rate": ("planned", ON_RATE),
-        "planner starting on the rate with the bound": ("planned", ON_RATE_BOUND),
         "planner": ("planned", SHIPPED),
+        "planner without the bound": ("planned", WITHOUT_BOUND),
+        "planner before section 29": ("planned", BEFORE_29),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
         "head's policy": ("adaptive", SHIPPED),
     }
