@@ -3,6 +3,7 @@ resettable, and kept in a profile file that a new process starts from; a corrupt
 warning and rewritten."""
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ from test_generate_batched import PAD, PROMPTS
 from transformers import GenerationConfig
 
 import adaflash_hf
+from adaflash_hf import AdaFlashDrafter
 from adaflash_hf.generation.profile import PROFILE_FORMAT, RuntimeProfile, profile_for
 
 PLANNED = dict(
@@ -49,6 +51,23 @@ def test_a_new_process_starts_from_the_file(folder):
     assert profile.loaded and profile.cost_table(torch.device("cpu"), torch.float32).step_s
     out_again, call = _generate(again, drafter)
     assert call.profile_loaded and torch.equal(out, out_again)
+
+
+def test_the_same_checkpoint_loaded_from_another_folder_keeps_its_profile(folder, tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")
+    tiny_target().save_pretrained(models / "target")
+    tiny_drafter(tiny_target()).save_pretrained(models / "drafter")
+    shutil.copytree(models, models.parent / "moved")  # a moved checkout: the same files in another folder
+    target = type(tiny_target()).from_pretrained(models / "target")
+    drafter = AdaFlashDrafter.from_pretrained(models / "drafter")
+    _generate(target, drafter)
+    moved = type(target).from_pretrained(models.parent / "moved" / "target")
+    moved_drafter = AdaFlashDrafter.from_pretrained(models.parent / "moved" / "drafter")
+    assert moved_drafter.config._name_or_path != drafter.config._name_or_path
+    assert profile_for(moved, moved_drafter).loaded
+    assert len(list(folder.glob("*.json"))) == 1
+    # a drafter of another shape is another pair
+    assert not profile_for(moved, tiny_drafter(moved, num_hidden_layers=1)).loaded
 
 
 def test_reset_forgets_every_measurement(folder):

@@ -236,8 +236,14 @@ def profile_dir() -> Path | None:
 
 
 def _config_digest(model) -> str:
+    """The model's configuration, less the folder it was loaded from (`_name_or_path`): the same checkpoint read from
+    another folder (a moved checkout, another copy of a Hub snapshot) runs at the same costs, and keeps its profile."""
     config = getattr(model, "config", None)
-    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__name__
+    if hasattr(config, "to_dict"):
+        fields = {name: value for name, value in config.to_dict().items() if name != "_name_or_path"}
+        text = json.dumps(fields, sort_keys=True, default=str)
+    else:
+        text = type(model).__name__
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
