@@ -57,12 +57,13 @@ def test_the_same_checkpoint_loaded_from_another_folder_keeps_its_profile(folder
     models = tmp_path_factory.mktemp("models")
     tiny_target().save_pretrained(models / "target")
     tiny_drafter(tiny_target()).save_pretrained(models / "drafter")
-    shutil.copytree(models, models.parent / "moved")  # a moved checkout: the same files in another folder
+    moved_folder = tmp_path_factory.mktemp("moved") / "checkout"
+    shutil.copytree(models, moved_folder)  # a moved checkout: the same files in another folder
     target = type(tiny_target()).from_pretrained(models / "target")
     drafter = AdaFlashDrafter.from_pretrained(models / "drafter")
     _generate(target, drafter)
-    moved = type(target).from_pretrained(models.parent / "moved" / "target")
-    moved_drafter = AdaFlashDrafter.from_pretrained(models.parent / "moved" / "drafter")
+    moved = type(target).from_pretrained(moved_folder / "target")
+    moved_drafter = AdaFlashDrafter.from_pretrained(moved_folder / "drafter")
     assert moved_drafter.config._name_or_path != drafter.config._name_or_path
     assert profile_for(moved, moved_drafter).loaded
     assert len(list(folder.glob("*.json"))) == 1
