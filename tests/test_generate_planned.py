@@ -667,6 +667,54 @@ def test_the_head_calibration_follows_what_the_target_accepts():
     assert int(planner.refine([0], torch.tensor([12 / 16]), torch.tensor([15]))[0]) <= 4
 
 
+def test_a_width_priced_above_a_wider_one_is_priced_as_the_wider():
+    # one slow width-3 step priced it above width 4: never chosen, it would never be measured again
+    table = CostTable(step_s={(1, 1): 1.0, (1, 2): 1.3, (1, 3): 2.4, (1, 4): 1.6, (1, 8): 2.0})
+    assert table.cost(1, 3) == 1.6 and table.cost(1, 2) == 1.3 and table.cost(1, 4) == 1.6
+    assert table.cost(1, 6) == 1.8  # between measured widths, still linear
+    assert table.cost(1, 1) == 1.0  # a plain step is its own
+    assert table.path_costs(1, [3], drafted=False)[0] <= table.path_costs(1, [4], drafted=False)[0]
+
+
+def test_a_kernel_trial_prices_a_width_at_most_what_timed_widths_imply():
+    table = CostTable(step_s={(1, 1): 1.0}, draft_s={1: 0.2})
+    table.observe(1, 2, 2.0, provisional=True)  # the first trial of width 2 ran the slow candidate kernel
+    assert table.cost(1, 2) == pytest.approx(1.2)  # the narrowest is priced at most a plain step and the draft
+    table.observe(1, 3, 2.4, provisional=True)
+    assert table.cost(1, 3) == 2.4  # trials only: priced by them
+    table.observe(1, 2, 1.3)  # width 2 timed with its kernel kept
+    assert table.cost(1, 2) == 1.3
+    assert table.cost(1, 3) == pytest.approx(1.95)  # at most width 2's cost in proportion to width
+    table.observe(1, 4, 1.5)
+    assert table.cost(1, 3) == pytest.approx(1.4)  # between timed widths, at most the line between them
+    table.observe(1, 3, 1.45)
+    assert table.cost(1, 3) == 1.45
+
+
+def test_a_probe_that_timed_a_one_off_trial_prices_probes_only_until_a_timed_one():
+    table = CostTable(step_s={(1, 1): 1.0})
+    table.observe_probe(1, 1.6, provisional=True)  # it timed the draft head's dtypes
+    table.observe_probe(1, 1.2, provisional=True)
+    assert table.probe(1) == 1.2 and table.probe(1, settled=True) is None and table.settled_probes() == {}
+    planner = VerificationPlanner(table, block_size=16, batch_size=1, device=torch.device("cpu"), probe_first=False)
+    assert planner.probe_floor(1) == 0  # a one-off does not stretch the probes' budget
+    table.observe_probe(1, 0.3)
+    assert table.probe(1) == 0.3 and table.settled_probes() == {1: 0.3}  # replaced, not averaged in
+    assert planner.probe_floor(1) == 30
+    table.observe_probe(1, 2.0, provisional=True)  # a later trial does not move a timed price
+    assert table.probe(1) == 0.3
+
+
+def test_a_probe_is_a_sample_of_drafting_s_rate_only_once_a_drafted_width_is_priced():
+    planner = _head_planner({(1, 1): 1.0}, probe_s={1: 1.5})
+    planner._shadows = {0: [[7, 7, 7], 3, True, False]}  # a probe whose block would have matched three drafts
+    planner._observe_shadow_rate(4)
+    assert planner.table.drafted_speedup == {}  # priced by a plain step and the probe's 1.5, it would say 1.6
+    planner.table.step_s[(1, 4)] = 1.6
+    planner._observe_shadow_rate(4)
+    assert planner.table.drafted_speedup == {1: pytest.approx(4 / 1.6)}
+
+
 def test_the_planner_with_a_length_head_is_exact(unbudgeted_probes):
     target = tiny_target()
     prompts = PROMPTS[:3]

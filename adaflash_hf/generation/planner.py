@@ -16,7 +16,10 @@ decoding step. Both sides are measured, never assumed:
   than the narrowest it costs the narrowest's cost, one token wider than the widest the widest's (a lower bound, so
   it runs once where drafting pays and is measured), wider still in proportion to width (an upper bound); an ``R``
   that did not measure a width borrows, in its own plain steps, the nearest row count's that did (rows leave a batch
-  one by one as they finish; `_estimate`). The table lives in the pair's
+  one by one as they finish; `_estimate`). A drafted width never costs more than a wider one of its ``R`` (one
+  slow step would otherwise price it out for good: a width priced too dear is not run, so not measured again), and a
+  step that timed a candidate kernel prices its width at most what the widths timed with their kernels kept imply
+  (`CostTable._drafted_prices`). The table lives in the pair's
   `profile.RuntimeProfile`, per device and dtype, so a later ``generate()`` call starts from what earlier ones
   measured.
 * **acceptance**: the drafts of a row are accepted one after another until the first rejection, each with
@@ -107,7 +110,7 @@ import torch
 
 from .length_policy import LengthPolicy, PolicyPlan, StepPlan
 
-EMA = 0.3  # weight of a new value in the moving averages (draft cost, the head's calibration)
+EMA = 0.3  # weight of a new value in the moving averages (draft and probe costs, the head's calibration)
 # Drafting's rate moves slower: one drafted step's speedup ranges over 0.7-2x where the mean is 1.2 (shell at batch 1),
 # and a call stops drafting right after its losing steps, which a fast average would make the next call's prior.
 DRAFTED_EMA = 0.1
@@ -189,7 +192,8 @@ class CostTable:
 
     # (cost, key) -> the latest timed seconds of a step cost (`_record`); a cost without any came from a profile file
     _windows: dict[tuple[str, tuple[int, int]], deque] = field(default_factory=dict, repr=False, compare=False)
-    # the costs priced by a kernel trial's step only (`_record`), replaced by the first timed step of their key
+    # the costs priced by a kernel trial's step only (`_record`), replaced by the first timed step of their key, and
+    # the probe costs (``("probe_s", (rows, 0))``) priced by untimed probes only (`observe_probe`)
     _provisional: set[tuple[str, tuple[int, int]]] = field(default_factory=set, repr=False, compare=False)
 
     def _record(self, name: str, key: tuple[int, int], seconds: float, provisional: bool) -> None:
@@ -254,8 +258,26 @@ class CostTable:
     def observe_draft(self, rows: int, seconds: float) -> None:
         _moving(self.draft_s, rows, seconds)
 
-    def observe_probe(self, rows: int, seconds: float) -> None:
+    def observe_probe(self, rows: int, seconds: float, provisional: bool = False) -> None:
+        """Moves a probe's cost at ``rows`` towards ``seconds``. A ``provisional`` probe (it timed the draft head's
+        dtypes, whose slow candidate can cost a plain step, or ran beside a kernel trial) prices ``rows`` only until
+        the first timed probe replaces it: averaged in, such a probe kept probes priced at 1.6 plain steps for a
+        whole process, five times their cost, so that the budget allowed one probe in 160 plain steps and the first
+        drafted steps were priced as dear (BENCHMARKS.md section 30)."""
+        tag = ("probe_s", (rows, 0))
+        if provisional:
+            if rows not in self.probe_s or tag in self._provisional:
+                self.probe_s[rows] = min(self.probe_s.get(rows, seconds), seconds)
+                self._provisional.add(tag)
+            return
+        if tag in self._provisional:
+            self._provisional.discard(tag)
+            del self.probe_s[rows]
         _moving(self.probe_s, rows, seconds)
+
+    def settled_probes(self) -> dict[int, float]:
+        """The probe costs that timed probes measured (what a profile file keeps)."""
+        return {rows: s for rows, s in self.probe_s.items() if ("probe_s", (rows, 0)) not in self._provisional}
 
     def draft(self, rows: int) -> float | None:
         """Seconds a drafted step's draft takes at ``rows`` rows (or the nearest measured count); before a drafted
@@ -263,10 +285,11 @@ class CostTable:
         draft = self._nearest(self.draft_s, rows)
         return self._nearest(self.probe_s, rows) if draft is None else draft
 
-    def probe(self, rows: int) -> float | None:
-        """Seconds a probe adds to a plain step at ``rows`` rows (or the nearest measured count); before a probe, a
-        drafted step's draft (a lower bound); ``None`` before either."""
-        probe = self._nearest(self.probe_s, rows)
+    def probe(self, rows: int, settled: bool = False) -> float | None:
+        """Seconds a probe adds to a plain step at ``rows`` rows (or the nearest measured count; ``settled``: timed
+        probes only, not those that timed one-off trials); before a probe, a drafted step's draft (a lower bound);
+        ``None`` before either."""
+        probe = self._nearest(self.settled_probes() if settled else self.probe_s, rows)
         return self._nearest(self.draft_s, rows) if probe is None else probe
 
     def drafted_cost(self, rows: int, width: int) -> float | None:
@@ -348,8 +371,32 @@ class CostTable:
         and no wider width would ever be measured (BENCHMARKS.md section 23)."""
         if width == 1:
             return self.plain_cost(rows)
-        costs = {key: seconds for key, seconds in self.step_s.items() if key[1] > 1}
-        return _estimate(_curves(costs), rows, width, _beyond_widest(width), self.plain_cost)
+        return _estimate(_curves(self._drafted_prices()), rows, width, _beyond_widest(width), self.plain_cost)
+
+    def _drafted_prices(self) -> dict[tuple[int, int], float]:
+        """The drafted steps' costs `cost` prices from. A kernel trial's price (`_record`'s provisional) is an upper
+        bound of what the width will cost once its kernel is chosen, and a width priced too dear is not chosen again,
+        so its trials never end: the first trial of width 2 at two plain steps (the slow candidate) kept a new
+        process from drafting on shell for good (BENCHMARKS.md section 30). So a trial's price is at most what the
+        widths of its row count timed with their kernels kept imply (between two of them, the line between; beyond
+        the widest, its cost in proportion to width: an upper bound), and a row count with trials only prices its
+        narrowest at most a plain step plus the draft (the cheapest a drafted step can cost), where exploring starts
+        again. Not lower: a width priced by the lower bound would win and run again and again until its trials end,
+        several slow candidate kernels each, width after width."""
+        drafted = {key: s for key, s in self.step_s.items() if key[1] > 1}
+        trials = {key for key in drafted if ("step_s", key) in self._provisional}
+        timed = _curves({key: s for key, s in drafted.items() if key not in trials})
+        prices = dict(drafted)
+        for rows, width in trials:
+            if rows in timed:
+                bound = _interpolate(timed[rows], width, _in_proportion(width))
+                prices[(rows, width)] = min(prices[(rows, width)], bound)
+        for rows in {rows for rows, _ in trials} - set(timed):
+            narrowest = min(width for count, width in prices if count == rows)
+            plain, draft = self.plain_cost(rows), self.draft(rows)
+            if plain is not None and draft is not None:
+                prices[(rows, narrowest)] = min(prices[(rows, narrowest)], plain + draft)
+        return prices
 
     def plain_cost(self, rows: int) -> float | None:
         """Seconds of a plain step of ``rows`` rows: its measured cost, or the nearest measured row count's; at most
@@ -379,7 +426,17 @@ def _beyond_widest(width: int):
     and 32 each token a row verifies costs most of a plain step)."""
 
     def beyond(widest: int, seconds: float) -> float:
-        return seconds if width == widest + 1 else seconds * width / widest
+        return seconds if width == widest + 1 else _in_proportion(width)(widest, seconds)
+
+    return beyond
+
+
+def _in_proportion(width: int):
+    """An upper bound of ``width``'s cost beyond the widest measured width: the widest's cost in proportion to width
+    (a forward's cost grows sublinearly with its tokens)."""
+
+    def beyond(widest: int, seconds: float) -> float:
+        return seconds * width / widest
 
     return beyond
 
@@ -396,10 +453,20 @@ def _moving(averages: dict[int, float], rows: int, value: float, weight: float =
 
 
 def _curves(costs: dict) -> dict[int, dict[int, float]]:
-    """Measured ``costs`` (``{(rows, width): seconds}``) as ``{rows: {width: seconds}}``, widths ascending."""
+    """Measured ``costs`` (``{(rows, width): seconds}``) as ``{rows: {width: seconds}}``, widths ascending, each
+    drafted width (2 and more) at most what a wider one of its row count costs: fewer tokens never cost more to verify
+    (the verification could pad them), while a price set too high by one slow step is never corrected, since a width
+    priced too dear is not chosen and so not measured again (a width-3 step that cost 2.4 plain steps kept shell's
+    drafted steps at width 2 for whole calls, beside width 4 at 1.6: BENCHMARKS.md section 30). A price too low
+    corrects itself: its width wins, runs, and is measured."""
     curves: dict[int, dict[int, float]] = {}
     for (rows, width), seconds in sorted(costs.items()):
         curves.setdefault(rows, {})[width] = seconds
+    for curve in curves.values():
+        cheapest = math.inf
+        for width in sorted(curve, reverse=True):
+            if width > 1:
+                cheapest = curve[width] = min(curve[width], cheapest)
     return curves
 
 
@@ -639,8 +706,11 @@ class VerificationPlanner:
 
     def probe_floor(self, count: int) -> int:
         """Plain steps per probe that keep the probes' cost within `PROBE_BUDGET` of the plain steps' time at
-        ``count`` rows (0 before a probe's cost is known)."""
-        plain, probe = self.table.cost(count, 1), self.table.probe(count)
+        ``count`` rows (0 before a probe's cost is known). Priced by timed probes: the first probes of a pair on a
+        machine time the draft head's dtypes (`draft_head.py`), a one-off of a plain step or more each, kept in the
+        profile once decided; priced by them, five such probes spread over 500 plain steps, and drafting where it
+        pays waited several calls for them (BENCHMARKS.md section 30)."""
+        plain, probe = self.table.cost(count, 1), self.table.probe(count, settled=True)
         if plain is None or probe is None:
             return 0
         return math.ceil(probe / (PROBE_BUDGET * plain))
@@ -814,14 +884,16 @@ class VerificationPlanner:
     def _observe_shadow_rate(self, width: int) -> None:
         """With a length head and `PROBE_SAMPLES`, a probe is one more sample of drafting's rate: the tokens its
         block would have committed at the width the head chose for it (exactly, under greedy decoding; a row still
-        matching when the probe ended counts what it matched so far), over what that width costs (before one was
-        measured, a plain step plus the draft). It moves the pair's moving average, so that drafting's rate is known
-        where probes did not start drafting (a pair whose probes never win would otherwise keep an old rate for
-        ever), and a later call, or this one once the rate beats plain steps, drafts on it (`_draft_or_plain`). Not
-        the call's own samples: counted there, probes' lucky blocks started drafting on chat and changelog, where it
-        loses (BENCHMARKS.md section 27)."""
+        matching when the probe ended counts what it matched so far), over what that width costs. None before a
+        drafted step measured one: priced by a plain step and a probe's draft, which read the prompt too and may have
+        timed the draft head's dtypes, such samples put shell's rate at 0.4 of plain steps' in a new process, and
+        drafting never started there (BENCHMARKS.md section 30). It moves the pair's moving average, so that
+        drafting's rate is known where probes did not start drafting (a pair whose probes never win would otherwise
+        keep an old rate for ever), and a later call, or this one once the rate beats plain steps, drafts on it
+        (`_draft_or_plain`). Not the call's own samples: counted there, probes' lucky blocks started drafting on chat
+        and changelog, where it loses (BENCHMARKS.md section 27)."""
         rows = len(self._shadows)
-        cost = self.table.drafted_cost(rows, width)
+        cost = self.table.cost(rows, width)
         if cost is None:
             return
         tokens = sum(1 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values())
@@ -941,8 +1013,8 @@ class VerificationPlanner:
             plain = self.table.cost(len(rows), 1)
             # a draft that timed the head's dtypes, or beside a plain forward timing a kernel, costs more than later
             # ones: taken only while nothing better is known
-            if plain is not None and ((timed and not trial) or len(rows) not in self.table.probe_s):
-                self.table.observe_probe(len(rows), max(seconds - plain, 0.0))
+            if plain is not None:
+                self.table.observe_probe(len(rows), max(seconds - plain, 0.0), provisional=not timed or trial)
             timed = False
         self._drafting = width > 1 and not self._undrafted
         if self._undrafted and width > 1:  # merged paths without the drafter: costed apart, and say nothing of drafts
@@ -971,7 +1043,11 @@ class VerificationPlanner:
                 self.table.observe_draft(len(rows), self._drafted_at - self._started)
             self._add_drafted_sample(len(rows), float(got.sum()) + len(rows), seconds)
         if self._expected_accepted is not None:
-            # the head's predictions, scaled, should expect as many accepted drafts as the target accepts
+            # The head's predictions, scaled, should expect as many accepted drafts as the target accepts. The log of
+            # the ratio drifts down wherever outcomes scatter (log E > E log: a head right on average settles near
+            # 0.7), and the widths with it. An update without the drift (the error over what was expected), tried
+            # with section 30's pricing fixes, left math 3-4% further behind the head's policy in two A/B runs, its
+            # steps wider and dearer (BENCHMARKS.md section 30): the geometric model over-values wide widths.
             ratio = (float(got.sum()) + 1.0) / (float(self._expected_accepted.sum()) + 1.0)
             self.table.head_scale = min(max(self.table.head_scale * ratio**EMA, 0.1), 10.0)
             self._expected_accepted = None

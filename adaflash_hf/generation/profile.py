@@ -120,7 +120,7 @@ class RuntimeProfile:
                         "step_s": {f"{rows},{width}": s for (rows, width), s in table.step_s.items()},
                         "drafted_speedup": {str(rows): x for rows, x in table.drafted_speedup.items()},
                         "draft_s": {str(rows): x for rows, x in table.draft_s.items()},
-                        "probe_s": {str(rows): x for rows, x in table.probe_s.items()},
+                        "probe_s": {str(rows): x for rows, x in table.settled_probes().items()},
                         "undrafted_s": {f"{rows},{width}": s for (rows, width), s in table.undrafted_s.items()},
                         "acceptance": table.acceptance,
                         "path_acceptance": table.path_acceptance,
