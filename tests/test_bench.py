@@ -2,12 +2,15 @@
 batch size a domain cannot fill pools the small domains; the results name the machine."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import tiny_drafter, tiny_target
 
 from adaflash_demo.bench.harness import METHODS, run_benchmark, speedup_interval
+from adaflash_demo.bench.step_trace import step_line
+from adaflash_hf.generation.profile import profile_for
 from adaflash_hf.machine import machine_summary
 
 
@@ -303,3 +306,31 @@ def test_the_forward_dtype_script_times_each_dtype_of_the_target():
     results = forward_dtype.measure(load, ["float32", "bfloat16"], [0, 1], batch_size=2, length=8, repeats=2)
     assert loaded == [torch.float32, torch.bfloat16] and list(results) == ["float32", "bfloat16"]
     assert all(ms > 0 for ms in results.values())
+
+
+def test_the_step_trace_writes_one_character_per_step_and_each_drafted_width_under_it():
+    steps = [
+        SimpleNamespace(kind="plain", accepted=[0], verify_width=1),
+        SimpleNamespace(kind="probe", accepted=[0], verify_width=1),
+        SimpleNamespace(kind="drafted", accepted=[3], verify_width=5),
+        SimpleNamespace(kind="drafted", accepted=[12], verify_width=16),
+    ]
+    assert step_line(steps) == (".p39", "  59")
+
+
+def test_each_method_that_drafts_learns_on_its_own_copy_of_the_drafter(word_tokenizer, monkeypatch):
+    # one method's measured costs and rates must not price another's steps (one runtime profile per drafter object)
+    monkeypatch.setenv("ADAFLASH_HF_PROFILE_DIR", "off")
+    target = tiny_target()
+    target.generation_config.pad_token_id = 2
+    word_tokenizer.padding_side = "left"
+    drafter = tiny_drafter(target)
+    run_benchmark(
+        target,
+        word_tokenizer,
+        {"x": ["abc", "de"]},
+        drafter=drafter,
+        methods=("plain", "adaflash_planned", "adaflash_hybrid"),
+        max_new_tokens=6,
+    )
+    assert not profile_for(target, drafter).cost_table(target.device, target.dtype).step_s  # the original ran nothing

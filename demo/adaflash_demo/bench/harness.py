@@ -16,6 +16,7 @@ Each method is a way to call ``target.generate``; all are measured by the same i
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import random
 import time
@@ -271,9 +272,20 @@ def run_benchmark(
     small for a batch size pooled), interleaving methods batch by batch.
 
     ``on_output(domain, method, rows)``, if given, receives each call's generated token ids per row.
+
+    Each method that drafts runs its own copy of ``drafter``, so its own runtime profile (`profile.profile_for` keeps
+    one per drafter object): what one method's calls measure and learn (step costs, drafting's rate, the length head's
+    calibration) does not price another's steps, as a user running one method alone would see it. Shared, the
+    hybrid's tree steps priced the planner's widths and moved its rate (BENCHMARKS.md section 30). With a profile
+    folder the copies read the same file, and the last one to save writes it.
     """
     dtype = str(target.dtype).replace("torch.", "")
     counter = ForwardCounter(target)
+    own = {
+        method: copy.deepcopy(drafter)
+        for method in methods
+        if drafter is not None and method_kwargs(method, drafter).get("assistant_model") is drafter
+    }
     records = []
     for group in plan_batches(prompts_by_domain, batch_sizes):
         domain, batch_size = group.domain, group.batch_size
@@ -284,7 +296,14 @@ def run_benchmark(
             rotation = usable[step % len(usable) :] + usable[: step % len(usable)]
             outputs = {
                 method: _timed_generate(
-                    target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tallies[method]
+                    target,
+                    inputs,
+                    method,
+                    own.get(method, drafter),
+                    ar_draft,
+                    max_new_tokens,
+                    counter,
+                    tallies[method],
                 )
                 for method in rotation
             }
