@@ -369,9 +369,18 @@ class CostTable:
         whose one drafted width, 2 tokens, cost two plain steps (the draft, and a BLAS whose products of a few rows are
         slow) prices 16 tokens at 16 plain steps, so no probe, however well its block matched, would start drafting,
         and no wider width would ever be measured (BENCHMARKS.md section 23)."""
-        if width == 1:
-            return self.plain_cost(rows)
-        return _estimate(_curves(self._drafted_prices()), rows, width, _beyond_widest(width), self.plain_cost)
+        return self.costs(rows, [width])[0]
+
+    def costs(self, rows: int, widths) -> list[float | None]:
+        """`cost` of each of ``widths`` at ``rows``, the table's curves built once (the planner prices every width
+        of a block each drafted step)."""
+        curves = _curves(self._drafted_prices()) if any(width > 1 for width in widths) else {}
+        return [
+            self.plain_cost(rows)
+            if width == 1
+            else _estimate(curves, rows, width, _beyond_widest(width), self.plain_cost)
+            for width in widths
+        ]
 
     def _drafted_prices(self) -> dict[tuple[int, int], float]:
         """The drafted steps' costs `cost` prices from. A kernel trial's price (`_record`'s provisional) is an upper
@@ -806,7 +815,8 @@ class VerificationPlanner:
         count, table = len(rows), self.table
         committed = self.expected_committed(rows, max_width)
         committed[0] = float(count)  # a plain step commits exactly one token per row
-        rates = {width: committed[width - 1] / table.cost(count, width) for width in range(1, max_width + 1)}
+        widths = range(1, max_width + 1)
+        rates = {width: committed[width - 1] / cost for width, cost in zip(widths, table.costs(count, widths))}
         width = max(rates, key=rates.get)
         if 1 < width < max_width and table.measured(width) and not table.measured(width + 1):
             # The next width is costed by an interpolation between measured widths, so it may win only once
@@ -971,7 +981,8 @@ class VerificationPlanner:
         p = (predicted / (1 + predicted)).clamp(0.0, 0.999)
         powers = p[:, None] ** torch.arange(max_width, dtype=torch.float64)
         committed = powers.sum(0).cumsum(0).tolist()  # entry w - 1: expected tokens at width w, summed over rows
-        rates = {w: committed[w - 1] / table.cost(count, w) for w in range(2, max_width + 1)}
+        widths = range(2, max_width + 1)
+        rates = {w: committed[w - 1] / cost for w, cost in zip(widths, table.costs(count, widths))}
         width = max(rates, key=rates.get)
         if width < max_width and table.measured(width) and not table.measured(width + 1):
             width += 1  # measure the next width once (as `width` does)
