@@ -192,9 +192,10 @@ class CostTable:
 
     # (cost, key) -> the latest timed seconds of a step cost (`_record`); a cost without any came from a profile file
     _windows: dict[tuple[str, tuple[int, int]], deque] = field(default_factory=dict, repr=False, compare=False)
-    # the costs priced by a kernel trial's step only (`_record`), replaced by the first timed step of their key, and
-    # the probe costs (``("probe_s", (rows, 0))``) priced by untimed probes only (`observe_probe`)
+    # the costs priced by a kernel trial's step only (`_record`), replaced by the first timed step of their key
     _provisional: set[tuple[str, tuple[int, int]]] = field(default_factory=set, repr=False, compare=False)
+    # the row counts whose probe cost untimed probes alone priced (`observe_probe`)
+    _untimed_probes: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def _record(self, name: str, key: tuple[int, int], seconds: float, provisional: bool) -> None:
         """Adds a step's ``seconds`` to the cost ``getattr(self, name)[key]``: the median of the latest
@@ -264,20 +265,19 @@ class CostTable:
         the first timed probe replaces it: averaged in, such a probe kept probes priced at 1.6 plain steps for a
         whole process, five times their cost, so that the budget allowed one probe in 160 plain steps and the first
         drafted steps were priced as dear (BENCHMARKS.md section 30)."""
-        tag = ("probe_s", (rows, 0))
         if provisional:
-            if rows not in self.probe_s or tag in self._provisional:
+            if rows not in self.probe_s or rows in self._untimed_probes:
                 self.probe_s[rows] = min(self.probe_s.get(rows, seconds), seconds)
-                self._provisional.add(tag)
+                self._untimed_probes.add(rows)
             return
-        if tag in self._provisional:
-            self._provisional.discard(tag)
+        if rows in self._untimed_probes:
+            self._untimed_probes.discard(rows)
             del self.probe_s[rows]
         _moving(self.probe_s, rows, seconds)
 
     def settled_probes(self) -> dict[int, float]:
         """The probe costs that timed probes measured (what a profile file keeps)."""
-        return {rows: s for rows, s in self.probe_s.items() if ("probe_s", (rows, 0)) not in self._provisional}
+        return {rows: s for rows, s in self.probe_s.items() if rows not in self._untimed_probes}
 
     def draft(self, rows: int) -> float | None:
         """Seconds a drafted step's draft takes at ``rows`` rows (or the nearest measured count); before a drafted
