@@ -29,9 +29,12 @@ decoding step. Both sides are measured, never assumed:
 
 The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / S(R, w)``; ``w = 1`` is a plain step.
 Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer drafts
-would save nothing. Wider widths are measured one at a time: the next width beyond the widest measured wins where
-drafting pays at the widest's cost, and a width between measured ones runs once when the width below it wins (once per
-width, pair and process). While plain steps win, no acceptance is observed, so the planner probes after
+would save nothing. The sum values every row's token alike, as a server that replaces finished rows sees them; a
+``generate()`` batch ends with its slowest row, and rows that get ahead save only their share of the steps after they
+finish, so at batch > 1 a step that advances some rows is worth less than the sum says (BENCHMARKS.md section 31: the
+hybrid's copied paths at batch 8). Wider widths are measured one at a time: the next width beyond the widest measured
+wins where drafting pays at the widest's cost, and a width between measured ones runs once when the width below it
+wins (once per width, pair and process). While plain steps win, no acceptance is observed, so the planner probes after
 ``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not
 change the choice; it is never shorter than keeps the probes' cost within `PROBE_BUDGET` (1%) of the plain steps' time
 (`VerificationPlanner.probe_interval`). A probe costs its draft and the drafter's reading of the context queued since
