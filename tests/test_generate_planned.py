@@ -176,6 +176,40 @@ def test_it_drafts_where_speculation_pays_and_steps_plainly_where_it_cannot():
     assert planner.acceptance([1])[0] < 0.1 < 0.8 < planner.acceptance([0])[0]
 
 
+def test_a_fixed_batch_is_worth_what_advances_the_rows_that_end_it():
+    """`finish_rates`: a batch ends with its last row, so a step is worth the time it saves until then."""
+    # one row, or rows alike: the tokens of a step over its cost, as a server that replaces finished rows counts them
+    one = planner_module.finish_rates(torch.tensor([[1.0, 3.0]]), [1.0, 2.0], torch.tensor([30.0]), torch.ones(1))
+    assert one == pytest.approx([1.0, 1.5])
+    alike = torch.tensor([[1.0, 3.0]] * 4)
+    rates = planner_module.finish_rates(alike, [1.0, 2.0], torch.full((4,), 30.0), torch.ones(4))
+    assert rates == pytest.approx([4.0, 6.0])
+    # one row of four commits 9 tokens a step and the others 1: where a step costs the same whatever its rows, that
+    # row's lead saves nothing (the others end the call as late as with plain steps: the sum would say 3x plain's
+    # rate); where a step costs in proportion to its rows, the three finish a quarter sooner in its wake
+    ahead = torch.tensor([[1.0, 9.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    flat = planner_module.finish_rates(ahead, [1.0, 1.0], torch.full((4,), 36.0), torch.ones(4))
+    assert flat == pytest.approx([4.0, 4.0])
+    shrink = torch.arange(1, 5, dtype=torch.float64) / 4
+    proportional = planner_module.finish_rates(ahead, [1.0, 1.0], torch.full((4,), 36.0), shrink)
+    assert proportional[1] == pytest.approx(4 * 36 / (4 + 32 * 0.75))
+    # a row with fewer tokens left does not hold the others back: the row with most left bounds the call
+    behind = planner_module.finish_rates(ahead, [1.0, 1.0], torch.tensor([72.0, 8.0, 8.0, 8.0]), torch.ones(4))
+    assert behind[1] == pytest.approx(8.0 * 12 / 8) and behind[0] == pytest.approx(96 / 72)
+    assert planner_module.finish_rates(ahead, [None, 2.0], torch.ones(4), torch.ones(4))[0] is None
+
+
+def test_at_batch_greater_than_one_the_width_follows_the_rows_that_end_the_call():
+    # two rows, a step costing the same at one or two rows: one row accepts 90% of its drafts, the other 5%
+    costs = {(2, 1): 1.0, (2, 2): 1.3, (2, 16): 2.0}
+    planner = _planner(costs, acceptance=0.5, rows=2)
+    planner.successes[:], planner.trials[:] = torch.tensor([900.0, 5.0]), torch.tensor([1000.0, 100.0])
+    planner.before_draft([0, 1], torch.tensor([40, 40]))
+    assert planner.width([0, 1], 16) == 1  # the second row ends the call, and drafting cannot speed it up
+    planner.before_draft([0, 1], torch.tensor([40, 4]))
+    assert planner.width([0, 1], 16) > 8  # the first row has the most left: it ends the call, and drafts well
+
+
 def test_wider_widths_are_measured_one_at_a_time_while_drafting_wins():
     # only the probe's width measured: wider ones are costed in proportion (an upper bound) and would never run
     planner = _planner({(1, 1): 1.0, (1, 2): 1.1}, acceptance=0.6)
@@ -389,7 +423,7 @@ def test_with_a_length_head_a_probes_block_is_a_sample_of_the_pairs_rate_at_the_
         tokens=torch.full((1, 15), 7), num_drafts=torch.tensor([15]), length_prediction=prediction
     )
     assert planner.after_draft([0], drafts).tolist() == [0]  # a probe verifies nothing
-    width = planner._head_width(1, prediction, torch.tensor([15]))[0]
+    width = planner._head_width([0], prediction, torch.tensor([15]))[0]
     assert 2 < width < 16
     # one draft matched the target's token, which makes drafting pay here (`shadow_gain`): the probe ends, its block
     # having committed 2 tokens so far

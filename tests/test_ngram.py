@@ -314,12 +314,13 @@ def test_a_plain_step_of_fewer_rows_costs_at_most_one_of_more_rows():
     assert CostTable(step_s={(8, 1): 0.32, (2, 1): 0.2}).cost(4, 1) == 0.2  # the nearest count, when cheaper
 
 
-def _planned_step(planner, paths, drafter_width):
-    """The planner's choice for rows offering `paths`, its drafter at `drafter_width` when it drafts:
-    ``(drafter runs, path tokens)``."""
+def _planned_step(planner, paths, drafter_width, room=None):
+    """The planner's choice for rows offering `paths` (each row's token budget `room`, 30 by default), its drafter at
+    `drafter_width` when it drafts: ``(drafter runs, path tokens)``."""
     rows = list(range(len(paths)))
     planner.plan = lambda rows, room: torch.full((len(rows),), drafter_width - 1)
-    drafts = planner.before_draft(rows, torch.full((len(rows),), 30), paths)
+    room = torch.full((len(rows),), 30) if room is None else torch.tensor(room)
+    drafts = planner.before_draft(rows, room, paths)
     return bool(drafts.gt(0).any()), planner.path_nodes(16)
 
 
@@ -334,13 +335,20 @@ def test_the_planner_prices_each_source_by_its_own_acceptance():
     unreliable.path_successes[0], unreliable.path_trials[0] = 0.0, 100.0
     unreliable.successes[0], unreliable.trials[0] = 80.0, 100.0
     assert _planned_step(unreliable, [path], 4) == (True, 0)  # the drafter's width, no path token
-    # a row that copies and a row that needs the drafter: both in one step
+    # a row that copies and a row that needs the drafter: both in one step where the copying row bounds the call (the
+    # most tokens left), the drafter alone where the other does: a batch ends with its last row, and a step costs
+    # the same for either row here, so the copying row's earlier finish would save nothing
     table = CostTable(step_s={(2, 1): 1.0, (2, 4): 1.3}, undrafted_s={(2, 11): 1.5}, draft_s={2: 0.2})
-    both = VerificationPlanner(table, 16, 2, torch.device("cpu"))
-    both.path_successes[0], both.path_trials[0] = 90.0, 100.0
-    both.successes[:], both.trials[:] = 80.0, 100.0
-    drafter_runs, nodes = _planned_step(both, [path, []], 4)
+
+    def both():
+        planner = VerificationPlanner(table, 16, 2, torch.device("cpu"))
+        planner.path_successes[0], planner.path_trials[0] = 90.0, 100.0
+        planner.successes[:], planner.trials[:] = 80.0, 100.0
+        return planner
+
+    drafter_runs, nodes = _planned_step(both(), [path, []], 4, room=[59, 19])
     assert drafter_runs and nodes > 0
+    assert _planned_step(both(), [path, []], 4, room=[29, 29]) == (True, 0)
 
 
 def test_one_rows_path_does_not_make_a_wide_batch_verify_it():
@@ -553,8 +561,16 @@ def test_prompt_lookup_in_our_loop_equals_plain_greedy_at_any_batch_size(family,
         assert torch.equal(out, theirs)
 
 
-def test_prompt_lookup_in_our_loop_samples_the_processed_distribution(sampling_models):
+def test_prompt_lookup_in_our_loop_samples_the_processed_distribution(sampling_models, monkeypatch):
     target, _ = sampling_models
+
+    # 50 rows alike in budget, where a step costs the same whatever its rows: a path accepted in some rows only
+    # cannot end the call sooner, and the planner would verify few; priced as a server values them (every row's
+    # tokens alike), paths are verified often enough to test their acceptance under sampling
+    def summed(self, rows, committed, costs):
+        return [None if cost is None else float(committed[:, c].sum()) / cost for c, cost in enumerate(costs)]
+
+    monkeypatch.setattr(VerificationPlanner, "rates", summed)
     prompt = target.generate(torch.tensor([PROMPT]), max_new_tokens=11, do_sample=False, eos_token_id=None)
     prompt = prompt[0].tolist()
     config = GenerationConfig(adaflash_ngram=True)

@@ -152,6 +152,11 @@ SPREAD_PRIOR = 0.5
 SPREAD_PRIOR_STEPS = 2.0
 PROBE_SAMPLES = True
 START_ON_RATE = True
+# At batch > 1, a step's choices are valued by how much sooner the call's batch finishes (`finish_rates`: a
+# `generate()` batch ends with its last row) rather than by all rows' tokens alike (a server's view, which made the
+# hybrid's copied paths lose 9% on changelog at batch 8: BENCHMARKS.md section 31);
+# `adaflash_demo.bench.batch_objective` switches it off for its A/B.
+FINISH_TIME = True
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -430,6 +435,36 @@ def _depth_counts(tokens: int) -> torch.Tensor:
     return counts
 
 
+def finish_rates(
+    committed: torch.Tensor, costs: list[float | None], remaining: torch.Tensor, shrink: torch.Tensor
+) -> list[float | None]:
+    """The rate of each of ``C`` step choices for a batch that ends with its last row (a ``generate()`` call):
+    ``remaining.sum() / T``, where ``T`` is the seconds the batch would take to finish were every later step that
+    choice; ``None`` where the choice has no cost.
+
+    committed ``[R, C]``: the tokens each row is expected to commit in one step of each choice; costs ``[C]``: the
+    seconds of such a step at ``R`` rows; remaining ``[R]``: the tokens each row may still commit (its budget);
+    shrink ``[R]``: a plain step's cost at ``1 .. R`` rows over its cost at ``R`` (rows that finish leave the batch,
+    and the steps after them cost that much less). Row ``b`` finishes after ``remaining[b] / committed[b, c]`` steps;
+    in that order, the span of steps before the ``i``-th row's finish runs at ``R - i`` rows. At one row, and wherever
+    the rows commit and may commit alike, this is ``sum_b committed[b, c] / costs[c]``, the rate at which a server
+    that replaces finished rows serves tokens; where some rows commit more (a copied path, a row whose drafts are
+    accepted), their tokens are worth what their earlier finish saves, the steps of the rest at fewer rows."""
+    known = [c for c, cost in enumerate(costs) if cost is not None]
+    rates: list[float | None] = [None] * len(costs)
+    if not known:
+        return rates
+    steps = remaining[:, None] / committed[:, known]
+    ordered = steps.sort(0).values
+    spans = torch.diff(ordered, dim=0, prepend=torch.zeros_like(ordered[:1]))
+    rows = (spans * shrink.flip(0)[:, None]).sum(0)  # span i runs at R - i rows: shrink[R - i - 1]
+    seconds = torch.tensor([costs[c] for c in known], dtype=torch.float64) * rows
+    total = float(remaining.sum())
+    for c, spent in zip(known, seconds.tolist()):
+        rates[c] = total / spent
+    return rates
+
+
 def _beyond_widest(width: int):
     """How `_estimate` prices ``width`` beyond the widest measured width: one token wider at the widest's cost (a
     lower bound: a forward's cost never falls as it widens, so the next width wins where drafting pays, runs once and
@@ -555,6 +590,8 @@ class VerificationPlanner:
         self.length_head = length_head
         self._expected_accepted: torch.Tensor | None = None  # per row of the refined step, for the head's calibration
         self.successes = torch.zeros(batch_size, dtype=torch.float64)
+        # tokens each row may still commit (its budget), as of its last step (`before_draft`; alike until then)
+        self._remaining = torch.ones(batch_size, dtype=torch.float64)
         self.trials = torch.zeros(batch_size, dtype=torch.float64)
         self.plain_streak = 0
         self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -602,6 +639,7 @@ class VerificationPlanner:
         self, rows: list[int], room: torch.LongTensor, paths: list[list[int]] | None = None
     ) -> torch.LongTensor:
         self.begin()
+        self._remaining[rows] = room.detach().to("cpu", torch.float64) + 1
         drafts = self.plan(rows, room)
         self._path_nodes, self._undrafted = 0, False
         if paths is not None:
@@ -624,7 +662,7 @@ class VerificationPlanner:
                 self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False, False]
             self._shadow_width = None
             if PROBE_SAMPLES and self.length_head and drafts.length_prediction is not None and drafts.num_drafts.any():
-                self._shadow_width = self._head_width(len(rows), drafts.length_prediction, drafts.num_drafts)[0]
+                self._shadow_width = self._head_width(rows, drafts.length_prediction, drafts.num_drafts)[0]
             return torch.zeros_like(drafts.num_drafts)
         if self.length_head and drafts.length_prediction is not None:
             return self.refine(rows, drafts.length_prediction, drafts.num_drafts)
@@ -660,11 +698,26 @@ class VerificationPlanner:
         own_s, own_t = self.successes[index], self.trials[index]
         return ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
 
-    def expected_committed(self, rows: list[int], max_width: int) -> list[float]:
-        """Expected tokens a step commits over ``rows`` at each width ``1 .. max_width`` (entry ``w - 1``):
-        ``sum_b (1 + p_b + ... + p_b^(w-1))``."""
+    def expected_committed(self, rows: list[int], max_width: int) -> torch.Tensor:
+        """Expected tokens a step commits in each row at each width ``1 .. max_width``, ``[len(rows), max_width]``
+        (column ``w - 1``: ``1 + p_b + ... + p_b^(w-1)``)."""
         powers = self.acceptance(rows)[:, None] ** torch.arange(max_width, dtype=torch.float64)
-        return powers.sum(0).cumsum(0).tolist()
+        return powers.cumsum(1)
+
+    def rates(self, rows: list[int], committed: torch.Tensor, costs: list[float | None]) -> list[float | None]:
+        """The rate of each step choice (`finish_rates`: ``committed [len(rows), C]``, ``costs [C]``) for this call's
+        batch, whose rows' budgets `before_draft` saw last, each plain step's cost by row count from the table."""
+        count = len(rows)
+        if not FINISH_TIME:
+            return [None if cost is None else float(committed[:, c].sum()) / cost for c, cost in enumerate(costs)]
+        if count == 1:
+            shrink = torch.ones(1, dtype=torch.float64)
+        else:
+            plain = [self.table.plain_cost(r) for r in range(1, count + 1)]
+            shrink = torch.ones(count, dtype=torch.float64)
+            if plain[-1]:
+                shrink = (torch.tensor([plain[-1] if p is None else p for p in plain]) / plain[-1]).clamp(max=1.0)
+        return finish_rates(committed, costs, self._remaining[rows], shrink)
 
     def plan(self, rows: list[int], max_drafts: torch.LongTensor) -> torch.LongTensor:
         """Drafts each active row verifies in the next step, ``[R]``, at most ``max_drafts [R]`` (a row's token
@@ -785,17 +838,17 @@ class VerificationPlanner:
         # path's length)
         reach = self.path_reach(rows, longest)
         path_committed = torch.where(steps <= torch.tensor(lengths)[:, None], reach, 0.0).cumsum(1)
-        undrafted = {}
-        for k, cost in enumerate(table.path_costs(count, range(1, longest + 2), drafted=False)):
-            if cost is not None:
-                undrafted[k] = (float(path_committed[:, k].sum()) / cost, cost)
+        costs = table.path_costs(count, range(1, longest + 2), drafted=False)
+        rates = self.rates(rows, path_committed, costs)
+        undrafted = {k: (rate, cost) for k, (rate, cost) in enumerate(zip(rates, costs)) if cost is not None}
         width = int(drafts.max()) + 1
         hybrid = {}
         if width > 1:
             drafted = (self.acceptance(rows)[:, None] ** torch.arange(width, dtype=torch.float64)).sum(1)
-            for k, cost in enumerate(table.path_costs(count, range(width, width + longest + 1), drafted=True)):
-                if cost is not None:
-                    hybrid[k] = (float(torch.maximum(drafted, path_committed[:, k]).sum()) / cost, cost)
+            both = torch.maximum(drafted[:, None], path_committed)
+            costs = table.path_costs(count, range(width, width + longest + 1), drafted=True)
+            rates = self.rates(rows, both, costs)
+            hybrid = {k: (rate, cost) for k, (rate, cost) in enumerate(zip(rates, costs)) if cost is not None}
         best_alone = max(undrafted, key=lambda k: undrafted[k][0], default=None)
         best_hybrid = max(hybrid, key=lambda k: hybrid[k][0], default=None)
         if best_hybrid is not None and (
@@ -817,16 +870,17 @@ class VerificationPlanner:
         """The width of the highest expected rate under the measured costs and the rows' acceptance."""
         count, table = len(rows), self.table
         committed = self.expected_committed(rows, max_width)
-        committed[0] = float(count)  # a plain step commits exactly one token per row
+        committed[:, 0] = 1.0  # a plain step commits exactly one token per row
         widths = range(1, max_width + 1)
-        rates = {width: committed[width - 1] / cost for width, cost in zip(widths, table.costs(count, widths))}
+        rates = dict(zip(widths, self.rates(rows, committed, table.costs(count, widths))))
         width = max(rates, key=rates.get)
         if 1 < width < max_width and table.measured(width) and not table.measured(width + 1):
             # The next width is costed by an interpolation between measured widths, so it may win only once
             # measured: one step there measures it (each width once per pair and process). One beyond the widest
             # measured is priced at the widest's cost (`_beyond_widest`) and wins on its own where drafting pays.
             width += 1
-        self.last_prediction = {"predicted_step_s": table.cost(count, width), "predicted_tokens": committed[width - 1]}
+        predicted = float(committed[:, width - 1].sum())
+        self.last_prediction = {"predicted_step_s": table.cost(count, width), "predicted_tokens": predicted}
         return width
 
     def _draft_or_plain(self, count: int, max_width: int) -> int:
@@ -950,18 +1004,17 @@ class VerificationPlanner:
         steps = torch.arange(longest + 1, dtype=torch.float64)
         expected = (p[:, None] ** steps).cumsum(1)  # [rows, w - 1]: expected tokens at width w
         realized = 1 + torch.minimum(matched[:, None], steps)  # what the block would have committed at width w
-        committed = torch.minimum(expected, realized).sum(0).tolist()
-        best = 0.0
-        for width in range(2, longest + 2):
-            best = max(best, committed[width - 1] / self.table.drafted_cost(rows, width))
-        return best / (rows / plain)
+        committed = torch.minimum(expected, realized)[:, 1:]  # column w - 2: width w
+        costs = [self.table.drafted_cost(rows, width) for width in range(2, longest + 2)]
+        best = max(rate for rate in self.rates(list(self._shadows), committed, costs) if rate is not None)
+        return best / self.rates(list(self._shadows), torch.ones(rows, 1, dtype=torch.float64), [plain])[0]
 
     def refine(
         self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor
     ) -> torch.LongTensor:
         """The drafts each row verifies once the drafter has run, from its length head's prediction
         (``length_prediction [R]``: predicted ``(accepted + 1) / block_size``), at most ``num_drafts [R]``."""
-        width, powers = self._head_width(len(rows), length_prediction, num_drafts)
+        width, powers = self._head_width(rows, length_prediction, num_drafts)
         if powers is None:
             return torch.clamp(num_drafts, max=width - 1)
         # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j
@@ -970,11 +1023,11 @@ class VerificationPlanner:
         self.last_prediction = {"predicted_step_s": self.table.cost(len(rows), width), "predicted_tokens": committed}
         return torch.clamp(num_drafts, max=width - 1)
 
-    def _head_width(self, count: int, length_prediction: torch.Tensor, num_drafts: torch.LongTensor):
+    def _head_width(self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor):
         """``(width, powers)``: the width of the highest expected rate under the head's predictions, and the rows'
         ``p ** j`` behind it (``[R, max_width]``; ``None`` where the width was not chosen by rate: the block allows
         one draft at most, or no drafted width is measured yet, which the cheapest one measures)."""
-        table = self.table
+        count, table = len(rows), self.table
         max_width = int(num_drafts.max()) + 1
         if max_width <= 2:
             return max_width, None
@@ -983,9 +1036,9 @@ class VerificationPlanner:
         predicted = (length_prediction.double().cpu() * self.block_size - 1).clamp(min=0) * table.head_scale
         p = (predicted / (1 + predicted)).clamp(0.0, 0.999)
         powers = p[:, None] ** torch.arange(max_width, dtype=torch.float64)
-        committed = powers.sum(0).cumsum(0).tolist()  # entry w - 1: expected tokens at width w, summed over rows
         widths = range(2, max_width + 1)
-        rates = {w: committed[w - 1] / cost for w, cost in zip(widths, table.costs(count, widths))}
+        committed = powers.cumsum(1)[:, 1:]  # column w - 2: each row's expected tokens at width w
+        rates = dict(zip(widths, self.rates(rows, committed, table.costs(count, widths))))
         width = max(rates, key=rates.get)
         if width < max_width and table.measured(width) and not table.measured(width + 1):
             width += 1  # measure the next width once (as `width` does)

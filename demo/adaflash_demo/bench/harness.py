@@ -372,7 +372,9 @@ def _speed(tally) -> float:
     return tally.tokens / tally.seconds if tally and tally.seconds else 0.0
 
 
-def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tally) -> list[list[int]]:
+def method_config(target, method: str, max_new_tokens: int, drafter=None, ar_draft=None):
+    """``(generation_config, kwargs)`` that run ``method`` greedily for ``max_new_tokens``: the target's defaults
+    with the method's ``adaflash_*`` settings, and the other `generate()` keyword arguments it takes."""
     kwargs = method_kwargs(method, drafter, ar_draft)
     adaflash = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("adaflash_")}
     defaults = target.generation_config.to_dict()
@@ -384,6 +386,11 @@ def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, c
     missing = {key for key, value in adaflash.items() if getattr(config, key, None) != value}
     if missing:
         raise RuntimeError(f"GenerationConfig dropped {sorted(missing)}; the method would not run as named")
+    return config, kwargs
+
+
+def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, counter, tally) -> list[list[int]]:
+    config, kwargs = method_config(target, method, max_new_tokens, drafter, ar_draft)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     ours = method.startswith("adaflash_")
     before = tally.seconds
