@@ -27,12 +27,20 @@ decoding step. Both sides are measured, never assumed:
   ``p`` is estimated per row from its accepted and offered drafts (accepted drafts are successes, a rejection is one
   failure), shrunk towards the batch's pooled estimate, which starts from the process's last value for this pair.
 
-The choice is ``argmax_w rate(w)`` with ``rate(w) = sum_rows E[committed | w] / S(R, w)``; ``w = 1`` is a plain step.
+The choice is ``argmax_w rate(w)``; ``w = 1`` is a plain step. At one row ``rate(w) = E[committed | w] / S(1, w)``.
 Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer drafts
-would save nothing. The sum values every row's token alike, as a server that replaces finished rows sees them; a
-``generate()`` batch ends with its slowest row, and rows that get ahead save only their share of the steps after they
-finish, so at batch > 1 a step that advances some rows is worth less than the sum says (BENCHMARKS.md section 31: the
-hybrid's copied paths at batch 8). Wider widths are measured one at a time: the next width beyond the widest measured
+would save nothing. At batch > 1 the rate is the batch's (`finish_rates`): a ``generate()`` batch ends with its last
+row, so a choice is worth how soon the batch would finish were every later step that choice, each row finishing
+after its tokens left (its budget) over what it commits a step, and the steps after a row's finish costing a plain
+step of the rows left (the table's plain costs by row count). Where rows commit alike this is
+``sum_rows E[committed | w] / S(R, w)``, the rate a server that replaces finished rows sees; where some rows get
+ahead (a copied path, a row whose drafts are accepted), their tokens are worth only what their earlier finish saves,
+which at batch 8 on a CPU, where a step costs about the same whatever its rows, is little: valued as the sum, the
+hybrid's copied paths paid 1.03x by rate step by step and lost 9% of changelog's time at batch 8 (BENCHMARKS.md
+section 31). A row's budget bounds what it may commit, not when it stops: a row that will end early at EOS is
+valued as one that runs to its budget. The measured rates (a drafted step's, a probe block's, below) count a step's
+tokens the same way at batch > 1: the rows' count times the plain steps it brought the batch's finish closer by
+(`plain_steps_saved`). Wider widths are measured one at a time: the next width beyond the widest measured
 wins where drafting pays at the widest's cost, and a width between measured ones runs once when the width below it
 wins (once per width, pair and process). While plain steps win, no acceptance is observed, so the planner probes after
 ``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not
@@ -74,7 +82,7 @@ over ``2 .. block_size`` (the drafter has run; every drafted width is costed by 
 
 **With merged n-gram paths** (``adaflash_ngram``, `ngram.py`), the loop tells the planner before each step how
 long a continuation each row's context offers, and the planner chooses, with the drafter's width, how many path
-tokens join the step's tree (`plan_paths`): the rate of each choice is its expected committed tokens over its cost,
+tokens join the step's tree (`plan_paths`): each choice at its rate (as above) from each row's expected tokens,
 a path's expected tokens following its own acceptance per depth ``c_j``, the chance that its ``j``-th token is
 accepted given the ones before (per row, shrunk towards the call's pooled estimate and that towards the last call's),
 a row committing the longer of the drafter's and the path's expectation (an underestimate: where one source's path
@@ -435,6 +443,17 @@ def _depth_counts(tokens: int) -> torch.Tensor:
     return counts
 
 
+def batch_steps(steps: torch.Tensor, shrink: torch.Tensor) -> torch.Tensor:
+    """How many steps of all ``R`` rows a batch's steps cost in all when row ``b`` leaves after ``steps [R, ...]``
+    of them (one column per alternative): in the order the rows leave, the span of steps before the ``i``-th leaves
+    runs at ``R - i`` rows, each step of it costing ``shrink[R - i - 1]`` of a step of all rows (``shrink [R]``: a
+    step's cost at ``1 .. R`` rows over its cost at ``R``)."""
+    ordered = steps.sort(0).values
+    spans = torch.diff(ordered, dim=0, prepend=torch.zeros_like(ordered[:1]))
+    weights = shrink.flip(0).view(-1, *[1] * (steps.dim() - 1))
+    return (spans * weights).sum(0)
+
+
 def finish_rates(
     committed: torch.Tensor, costs: list[float | None], remaining: torch.Tensor, shrink: torch.Tensor
 ) -> list[float | None]:
@@ -445,24 +464,29 @@ def finish_rates(
     committed ``[R, C]``: the tokens each row is expected to commit in one step of each choice; costs ``[C]``: the
     seconds of such a step at ``R`` rows; remaining ``[R]``: the tokens each row may still commit (its budget);
     shrink ``[R]``: a plain step's cost at ``1 .. R`` rows over its cost at ``R`` (rows that finish leave the batch,
-    and the steps after them cost that much less). Row ``b`` finishes after ``remaining[b] / committed[b, c]`` steps;
-    in that order, the span of steps before the ``i``-th row's finish runs at ``R - i`` rows. At one row, and wherever
-    the rows commit and may commit alike, this is ``sum_b committed[b, c] / costs[c]``, the rate at which a server
-    that replaces finished rows serves tokens; where some rows commit more (a copied path, a row whose drafts are
-    accepted), their tokens are worth what their earlier finish saves, the steps of the rest at fewer rows."""
+    and the steps after them cost that much less). Row ``b`` finishes after ``remaining[b] / committed[b, c]`` steps
+    (`batch_steps`). At one row, and wherever the rows commit and may commit alike, this is
+    ``sum_b committed[b, c] / costs[c]``, the rate at which a server that replaces finished rows serves tokens; where
+    some rows commit more (a copied path, a row whose drafts are accepted), their tokens are worth what their earlier
+    finish saves, the steps of the rest at fewer rows."""
     known = [c for c, cost in enumerate(costs) if cost is not None]
     rates: list[float | None] = [None] * len(costs)
     if not known:
         return rates
-    steps = remaining[:, None] / committed[:, known]
-    ordered = steps.sort(0).values
-    spans = torch.diff(ordered, dim=0, prepend=torch.zeros_like(ordered[:1]))
-    rows = (spans * shrink.flip(0)[:, None]).sum(0)  # span i runs at R - i rows: shrink[R - i - 1]
-    seconds = torch.tensor([costs[c] for c in known], dtype=torch.float64) * rows
+    steps = batch_steps(remaining[:, None] / committed[:, known], shrink)
+    seconds = torch.tensor([costs[c] for c in known], dtype=torch.float64) * steps
     total = float(remaining.sum())
     for c, spent in zip(known, seconds.tolist()):
         rates[c] = total / spent
     return rates
+
+
+def plain_steps_saved(remaining: torch.Tensor, committed: torch.Tensor, shrink: torch.Tensor) -> float:
+    """How many plain steps of all ``R`` rows sooner a batch can finish after a step that committed ``committed [R]``
+    tokens in rows that had ``remaining [R]`` left (`batch_steps`, each row one token a step): a step's realised
+    worth for a batch that ends with its last row. ``committed.sum()`` for one row; for a plain step, one."""
+    before = batch_steps(remaining, shrink)
+    return float(before - batch_steps((remaining - committed).clamp(min=0), shrink))
 
 
 def _beyond_widest(width: int):
@@ -590,8 +614,9 @@ class VerificationPlanner:
         self.length_head = length_head
         self._expected_accepted: torch.Tensor | None = None  # per row of the refined step, for the head's calibration
         self.successes = torch.zeros(batch_size, dtype=torch.float64)
-        # tokens each row may still commit (its budget), as of its last step (`before_draft`; alike until then)
-        self._remaining = torch.ones(batch_size, dtype=torch.float64)
+        # tokens each row may still commit (its budget), as of its last step (`before_draft`; until then alike, and
+        # more than any step commits)
+        self._remaining = torch.full((batch_size,), float(2**20), dtype=torch.float64)
         self.trials = torch.zeros(batch_size, dtype=torch.float64)
         self.plain_streak = 0
         self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -707,17 +732,27 @@ class VerificationPlanner:
     def rates(self, rows: list[int], committed: torch.Tensor, costs: list[float | None]) -> list[float | None]:
         """The rate of each step choice (`finish_rates`: ``committed [len(rows), C]``, ``costs [C]``) for this call's
         batch, whose rows' budgets `before_draft` saw last, each plain step's cost by row count from the table."""
-        count = len(rows)
         if not FINISH_TIME:
             return [None if cost is None else float(committed[:, c].sum()) / cost for c, cost in enumerate(costs)]
-        if count == 1:
-            shrink = torch.ones(1, dtype=torch.float64)
-        else:
+        return finish_rates(committed, costs, self._remaining[rows], self._shrink(len(rows)))
+
+    def _shrink(self, count: int) -> torch.Tensor:
+        """``[count]``: a plain step's cost at ``1 .. count`` rows over its cost at ``count`` (the table's; alike
+        where it knows none)."""
+        shrink = torch.ones(count, dtype=torch.float64)
+        if count > 1:
             plain = [self.table.plain_cost(r) for r in range(1, count + 1)]
-            shrink = torch.ones(count, dtype=torch.float64)
             if plain[-1]:
                 shrink = (torch.tensor([plain[-1] if p is None else p for p in plain]) / plain[-1]).clamp(max=1.0)
-        return finish_rates(committed, costs, self._remaining[rows], shrink)
+        return shrink
+
+    def _worth(self, rows: list[int], committed: torch.Tensor) -> float:
+        """A drafted step's or probe block's tokens as a rate counts them (`observe_drafted`): all rows' at one row
+        (or with `FINISH_TIME` off), else the rows' count times the plain steps it brought the batch's finish
+        closer by (`plain_steps_saved`; a plain step's worth is its rows' count, as at one row)."""
+        if len(rows) == 1 or not FINISH_TIME:
+            return float(committed.sum())
+        return len(rows) * plain_steps_saved(self._remaining[rows], committed, self._shrink(len(rows)))
 
     def plan(self, rows: list[int], max_drafts: torch.LongTensor) -> torch.LongTensor:
         """Drafts each active row verifies in the next step, ``[R]``, at most ``max_drafts [R]`` (a row's token
@@ -963,8 +998,8 @@ class VerificationPlanner:
         cost = self.table.cost(rows, width)
         if cost is None:
             return
-        tokens = sum(1 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values())
-        self.table.observe_drafted(rows, tokens, cost)
+        committed = torch.tensor([1.0 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values()])
+        self.table.observe_drafted(rows, self._worth(list(self._shadows), committed.double()), cost)
 
     def _add_drafted_sample(self, rows: int, tokens: float, seconds: float) -> None:
         """One drafted step's committed ``tokens`` in ``seconds`` at ``rows``: the pair's moving average and this
@@ -1108,7 +1143,7 @@ class VerificationPlanner:
         if timed:
             if self._drafted_at is not None:
                 self.table.observe_draft(len(rows), self._drafted_at - self._started)
-            self._add_drafted_sample(len(rows), float(got.sum()) + len(rows), seconds)
+            self._add_drafted_sample(len(rows), self._worth(rows, got + 1), seconds)
         if self._expected_accepted is not None:
             # The head's predictions, scaled, should expect as many accepted drafts as the target accepts. The log of
             # the ratio drifts down wherever outcomes scatter (log E > E log: a head right on average settles near
