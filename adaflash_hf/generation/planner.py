@@ -30,25 +30,25 @@ decoding step. Both sides are measured, never assumed:
 The choice is ``argmax_w rate(w)``; ``w = 1`` is a plain step. At one row ``rate(w) = E[committed | w] / S(1, w)``.
 Every row verifies the same ``w - 1`` drafts: rows are padded to the widest one anyway, so offering a row fewer drafts
 would save nothing. At batch > 1 the rate is the batch's (`finish_rates`): a ``generate()`` batch ends with its last
-row, so a choice is worth how soon the batch would finish were every later step that choice, each row finishing
-after its tokens left (its budget) over what it commits a step, and the steps after a row's finish costing a plain
-step of the rows left (the table's plain costs by row count). Where rows commit alike this is
-``sum_rows E[committed | w] / S(R, w)``, the rate a server that replaces finished rows sees; where some rows get
-ahead (a copied path, a row whose drafts are accepted), their tokens are worth only what their earlier finish saves,
-which at batch 8 on a CPU, where a step costs about the same whatever its rows, is little: valued as the sum, the
-hybrid's copied paths paid 1.03x by rate step by step and lost 9% of changelog's time at batch 8 (BENCHMARKS.md
-section 31). A row's budget bounds what it may commit, not when it stops: a row that will end early at EOS is
-valued as one that runs to its budget. The measured rates (a drafted step's, a probe block's, below) count a step's
-tokens the same way at batch > 1: the rows' count times the plain steps it brought the batch's finish closer by
-(`plain_steps_saved`). Wider widths are measured one at a time: the next width beyond the widest measured
-wins where drafting pays at the widest's cost, and a width between measured ones runs once when the width below it
-wins (once per width, pair and process). While plain steps win, no acceptance is observed, so the planner probes after
-``probe_interval`` plain steps, and the interval doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not
-change the choice; it is never shorter than keeps the probes' cost within `PROBE_BUDGET` (1%) of the plain steps' time
-(`VerificationPlanner.probe_interval`). A probe costs its draft and the drafter's reading of the context queued since
-the last draft (`CostTable.probe_s`, apart from a drafted step's draft, `CostTable.draft_s`): a small part of a plain
-step at batch 1, and at batch 8 a call's first probe, which reads the whole prompt, more than a whole one
-(BENCHMARKS.md section 18).
+row, so a choice is worth how soon the batch would finish were every later step that choice, each row finishing after
+its tokens left (its budget) over what it commits a step, and the steps after a row's finish costing a plain step of
+the rows left (the table's plain costs by row count). Where rows commit alike this is ``sum_rows E[committed | w] /
+S(R, w)``, the rate a server that replaces finished rows sees; where some rows get ahead (a copied path, a row whose
+drafts are accepted), their tokens are worth only what their earlier finish saves, which at batch 8 on a CPU, where a
+step costs about the same whatever its rows, is little: valued as the sum, the hybrid's copied paths paid 1.03x by rate
+step by step and lost 9% of changelog's time at batch 8 (BENCHMARKS.md section 31). A row's budget bounds what it may
+commit, not when it stops: a row that will end early at EOS is valued as one that runs to its budget. The measured
+rates of drafting (with a length head, below) still sum the rows' tokens: counted as what each step brought the batch's
+finish closer by, a step's worth waits for the rows behind to catch up, and a call judged on its first drafted steps
+stopped drafting where it paid (math at batch 8: 1.06x against 1.18x, BENCHMARKS.md section 32). Wider widths are
+measured one at a time: the next width beyond the widest measured wins where drafting pays at the widest's cost, and a
+width between measured ones runs once when the width below it wins (once per width, pair and process). While plain
+steps win, no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval
+doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the
+probes' cost within `PROBE_BUDGET` (1%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs
+its draft and the drafter's reading of the context queued since the last draft (`CostTable.probe_s`, apart from a
+drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1, and at batch 8 a call's first
+probe, which reads the whole prompt, more than a whole one (BENCHMARKS.md section 18).
 
 **Probes verify nothing.** A probe is a *shadow* step: the drafter drafts its block, but the target verifies only the
 anchor, as in a plain step, and the block is scored against the tokens the target then commits on its own: the
@@ -481,14 +481,6 @@ def finish_rates(
     return rates
 
 
-def plain_steps_saved(remaining: torch.Tensor, committed: torch.Tensor, shrink: torch.Tensor) -> float:
-    """How many plain steps of all ``R`` rows sooner a batch can finish after a step that committed ``committed [R]``
-    tokens in rows that had ``remaining [R]`` left (`batch_steps`, each row one token a step): a step's realised
-    worth for a batch that ends with its last row. ``committed.sum()`` for one row; for a plain step, one."""
-    before = batch_steps(remaining, shrink)
-    return float(before - batch_steps((remaining - committed).clamp(min=0), shrink))
-
-
 def _beyond_widest(width: int):
     """How `_estimate` prices ``width`` beyond the widest measured width: one token wider at the widest's cost (a
     lower bound: a forward's cost never falls as it widens, so the next width wins where drafting pays, runs once and
@@ -746,14 +738,6 @@ class VerificationPlanner:
                 shrink = (torch.tensor([plain[-1] if p is None else p for p in plain]) / plain[-1]).clamp(max=1.0)
         return shrink
 
-    def _worth(self, rows: list[int], committed: torch.Tensor) -> float:
-        """A drafted step's or probe block's tokens as a rate counts them (`observe_drafted`): all rows' at one row
-        (or with `FINISH_TIME` off), else the rows' count times the plain steps it brought the batch's finish
-        closer by (`plain_steps_saved`; a plain step's worth is its rows' count, as at one row)."""
-        if len(rows) == 1 or not FINISH_TIME:
-            return float(committed.sum())
-        return len(rows) * plain_steps_saved(self._remaining[rows], committed, self._shrink(len(rows)))
-
     def plan(self, rows: list[int], max_drafts: torch.LongTensor) -> torch.LongTensor:
         """Drafts each active row verifies in the next step, ``[R]``, at most ``max_drafts [R]`` (a row's token
         budget); all zero = a plain step."""
@@ -998,8 +982,8 @@ class VerificationPlanner:
         cost = self.table.cost(rows, width)
         if cost is None:
             return
-        committed = torch.tensor([1.0 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values()])
-        self.table.observe_drafted(rows, self._worth(list(self._shadows), committed.double()), cost)
+        tokens = sum(1 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values())
+        self.table.observe_drafted(rows, tokens, cost)
 
     def _add_drafted_sample(self, rows: int, tokens: float, seconds: float) -> None:
         """One drafted step's committed ``tokens`` in ``seconds`` at ``rows``: the pair's moving average and this
@@ -1143,7 +1127,7 @@ class VerificationPlanner:
         if timed:
             if self._drafted_at is not None:
                 self.table.observe_draft(len(rows), self._drafted_at - self._started)
-            self._add_drafted_sample(len(rows), self._worth(rows, got + 1), seconds)
+            self._add_drafted_sample(len(rows), float(got.sum()) + len(rows), seconds)
         if self._expected_accepted is not None:
             # The head's predictions, scaled, should expect as many accepted drafts as the target accepts. The log of
             # the ratio drifts down wherever outcomes scatter (log E > E log: a head right on average settles near

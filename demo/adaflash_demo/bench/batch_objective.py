@@ -1,8 +1,7 @@
 """The planner's objective at batch > 1: how much sooner the call's batch finishes, against all rows' tokens alike.
 
-A `generate()` batch ends with its last row, so the planner values a step's choices, and counts what its drafted
-steps and probes' blocks were worth, by the time they save until then (`planner.finish_rates`,
-`planner.plain_steps_saved`, `planner.FINISH_TIME`); before, it valued every row's tokens alike, as a server that
+A `generate()` batch ends with its last row, so the planner values a step's choices by the time they save until
+then (`planner.finish_rates`, `planner.FINISH_TIME`); before, it valued every row's tokens alike, as a server that
 replaces finished rows would (BENCHMARKS.md section 31: the hybrid's copied paths made the rows that copy finish
 early, and at batch 8 its changelog cell lost 9%). This times each method both ways, interleaved with plain
 ``generate()`` batch by batch (the order rotating), on the real target, float32 greedy, left-padded batches of the
