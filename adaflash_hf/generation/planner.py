@@ -428,10 +428,18 @@ class CostTable:
         what a plain step of more rows costs: fewer rows never cost more, while a row count that rows reach as they
         finish is priced from its first step or two, and a plain step priced too dear makes every wider step look
         good (BENCHMARKS.md section 21). ``None`` before any."""
+        return self.plain_costs([rows])[0]
+
+    def plain_costs(self, counts) -> list[float | None]:
+        """`plain_cost` at each of ``counts`` rows, the table read once (the planner prices every row count of a
+        batch each step: `VerificationPlanner.rates`)."""
         plain = {count: seconds for (count, width), seconds in self.step_s.items() if width == 1}
         if not plain:
-            return None
-        return min([plain[_nearest_rows(plain, rows)], *(s for count, s in plain.items() if count > rows)])
+            return [None] * len(counts)
+        return [
+            min([plain[_nearest_rows(plain, rows)], *(s for count, s in plain.items() if count > rows)])
+            for rows in counts
+        ]
 
 
 def _depth_counts(tokens: int) -> torch.Tensor:
@@ -724,19 +732,17 @@ class VerificationPlanner:
     def rates(self, rows: list[int], committed: torch.Tensor, costs: list[float | None]) -> list[float | None]:
         """The rate of each step choice (`finish_rates`: ``committed [len(rows), C]``, ``costs [C]``) for this call's
         batch, whose rows' budgets `before_draft` saw last, each plain step's cost by row count from the table."""
-        if not FINISH_TIME:
+        if len(rows) == 1 or not FINISH_TIME:  # one row: the summed rate, without the batch's arithmetic
             return [None if cost is None else float(committed[:, c].sum()) / cost for c, cost in enumerate(costs)]
         return finish_rates(committed, costs, self._remaining[rows], self._shrink(len(rows)))
 
     def _shrink(self, count: int) -> torch.Tensor:
         """``[count]``: a plain step's cost at ``1 .. count`` rows over its cost at ``count`` (the table's; alike
         where it knows none)."""
-        shrink = torch.ones(count, dtype=torch.float64)
-        if count > 1:
-            plain = [self.table.plain_cost(r) for r in range(1, count + 1)]
-            if plain[-1]:
-                shrink = (torch.tensor([plain[-1] if p is None else p for p in plain]) / plain[-1]).clamp(max=1.0)
-        return shrink
+        plain = self.table.plain_costs(range(1, count + 1))
+        if not plain[-1]:
+            return torch.ones(count, dtype=torch.float64)
+        return (torch.tensor([plain[-1] if p is None else p for p in plain]) / plain[-1]).clamp(max=1.0)
 
     def plan(self, rows: list[int], max_drafts: torch.LongTensor) -> torch.LongTensor:
         """Drafts each active row verifies in the next step, ``[R]``, at most ``max_drafts [R]`` (a row's token
