@@ -272,23 +272,34 @@ class OracleDrafter(AdaFlashDrafter):
         self.references = [list(map(int, r)) for r in references]
         self.corrupt = corrupt or (lambda row, anchor: ())
         self._call_cache = None
+        self._probe = (None, [])  # a probe's own cache and the rows it drafts
         return self
 
     def _follow(self, cache):
         """A new generate() call brings a new drafter cache: every reference row is back in the batch."""
-        if cache is not self._call_cache:
+        if cache is not self._call_cache and cache is not self._probe[0]:
             self._call_cache, self.rows = cache, list(range(len(self.references)))
 
-    def on_select_rows(self, index, cache):
-        self._follow(cache)
-        self.rows = [self.rows[i] for i in index.tolist()]
+    def on_select_rows(self, index, cache, source=None):
+        """Rows `index` of the batch drafting with `source` (default: `cache` itself) now draft with `cache` (a
+        probe of some rows drafts them in a cache of its own)."""
+        self._follow(cache if source is None else source)
+        rows = [self.rows[i] for i in index.tolist()]
+        if source is None:
+            self.rows = rows
+        else:
+            self._probe = (cache, rows)
+
+    def rows_of(self, cache) -> list[int]:
+        """The reference rows drafting with `cache`, slot by slot."""
+        return self._probe[1] if cache is self._probe[0] else self.rows
 
     def forward(self, noise_embeds, context_hidden_states, position_ids=None, attention_mask=None, cache=None, **kw):
         self._follow(cache)
         out = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kw)
         bs, vocab = self.config.block_size, self.token_hidden.shape[0]
         wanted = torch.zeros(noise_embeds.shape[0], bs - 1, dtype=torch.long)
-        for slot, row in enumerate(self.rows):
+        for slot, row in enumerate(self.rows_of(cache)):
             reference, anchor = self.references[row], int(position_ids[slot, -bs])
             for k in range(1, bs):
                 token = reference[anchor + k] if anchor + k < len(reference) else 3

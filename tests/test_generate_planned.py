@@ -123,6 +123,113 @@ def test_context_queued_across_plain_steps_drafts_as_if_fed_step_by_step():
     assert torch.equal(drafts([(0, 6), (6, 7), (7, 8), (8, 9)]), drafts([(0, 9)]))
 
 
+def test_a_probe_of_some_rows_drafts_them_as_a_draft_of_every_row_would_and_leaves_the_context_queued():
+    from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    # the head in the target's dtype: a new pair's first drafts alternate the dtypes it times (`draft_head.py`)
+    config = GenerationConfig(max_length=64, do_sample=False, adaflash_draft_head_dtype="same")
+    torch.manual_seed(0)
+    features = torch.randn(3, 9, drafter.fc.in_features)
+    valid = torch.ones(3, 9, dtype=torch.bool)
+    valid[0, :3] = False  # row 0 left-padded, as a batch's shorter prompt is
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    ids = torch.randint(3, 100, (3, 10))
+    anchors, anchor_positions, lengths = ids[:, 9], positions[:, -1] + 1, torch.full((3,), 10)
+
+    def generator():
+        made = AdaFlashCandidateGenerator(target, drafter, config)
+        for start, end in ((0, 6), (6, 9)):  # the prompt, then plain steps' context, queued
+            made.add_context(features[:, start:end], positions[:, start:end], valid[:, start:end])
+        return made
+
+    every = generator().draft(anchors, anchor_positions, ids, lengths, torch.tensor([7, 7, 7]))
+    probing = generator()
+    for row in (1, 0):  # a row alone (the padded one too): the drafts a draft of every row gives it
+        asked = torch.tensor([7 if r == row else 0 for r in range(3)])
+        drafts = probing.probe(anchors, anchor_positions, ids, lengths, asked)
+        assert drafts.num_drafts.tolist() == asked.tolist()
+        assert torch.equal(drafts.tokens[row, :7], every.tokens[row, :7])
+        assert probing.cache.get_seq_length() == 0  # the call's drafter read nothing
+    # the call's first real draft reads the whole queue, as if no probe had run
+    assert torch.equal(
+        probing.draft(anchors, anchor_positions, ids, lengths, torch.tensor([7, 7, 7])).tokens, every.tokens
+    )
+    # once the call's drafter has read its context, a probe drafts every row (reading only what is new)
+    probing.add_context(features[:, -1:], positions[:, -1:] + 1)
+    drafts = probing.probe(anchors, anchor_positions + 1, ids, lengths, torch.tensor([0, 7, 0]))
+    assert drafts.num_drafts.tolist() == [0, 7, 0] and probing.cache.get_seq_length() == 10
+
+
+def test_at_batch_greater_than_one_a_calls_probes_draft_one_row_in_turn_until_it_drafts(
+    monkeypatch, unbudgeted_probes
+):
+    target = tiny_target()
+    prompts = PROMPTS[:3]
+    references = [alone(target, p, max_new_tokens=30, eos_token_id=None) for p in prompts]
+    ids, mask = left_pad(prompts)
+    scored = []  # per probe scored: whether a committed token refuted its block, per row it drafted
+    real_gain = VerificationPlanner.shadow_gain
+
+    def shadow_gain(self):
+        scored.append({row: refuted for row, (_, _, _, refuted) in self._shadows.items()})
+        return real_gain(self)
+
+    monkeypatch.setattr(VerificationPlanner, "shadow_gain", shadow_gain)
+
+    def run(corrupt):
+        drafter = oracle_drafter(target, [p + r for p, r in zip(prompts, references)], corrupt=corrupt)
+        forwards = []  # per drafter forward: the reference rows it drafted
+        drafter.register_forward_hook(
+            lambda module, args, kwargs, out: forwards.append(module.rows_of(kwargs["cache"])), with_kwargs=True
+        )
+        scored.clear()
+        out, stats = _generate(target, drafter, ids, mask, None)
+        assert rows_of(out, prompts) == references
+        return forwards, stats
+
+    # drafts that are wrong at first: the call's probes each draft one row, the rows taking turns, and each is
+    # refuted by its own row's next token
+    forwards, stats = run(lambda row, anchor: {1} if anchor < 24 else ())
+    assert all(step.verify_width == 1 for step in stats.steps)
+    assert len(forwards) >= 2 and forwards == [[i % 3] for i in range(len(forwards))]
+    assert all(list(probe) == rows for probe, rows in zip(scored, forwards)) and all(scored[0].values())
+    # right drafts: the first probe's row matches what it commits (the oracle drafted that row's own continuation),
+    # and once the call drafts for real, every row drafts in the call's cache
+    forwards, stats = run(None)
+    assert forwards[0] == [0] and not any(scored[0].values())
+    assert len(forwards) > 1 and all(rows == [0, 1, 2] for rows in forwards[1:])
+    assert any(step.verify_width > 1 for step in stats.steps)
+
+
+def test_a_probe_of_one_row_prices_a_step_of_every_row():
+    # three rows at batch-3 prices: a drafted step of width 2 costs 1.5 plain steps, of 16 tokens 2.5
+    costs = {(3, 1): 1.0, (3, 2): 1.5, (3, 16): 2.5}
+
+    def probe(committed):
+        table = CostTable(step_s=dict(costs), draft_s={3: 0.2}, probe_s={3: 0.1}, acceptance=0.3)
+        planner = VerificationPlanner(table, 16, 3, torch.device("cpu"))
+        planner._shadows, planner._shadow_rows = {1: [[7] * 15, 0, False, False]}, [0, 1, 2]
+        gain = planner.shadow_gain()
+        planner.score_shadows([0, 1, 2], [[5], committed, [5]])
+        return gain, planner
+
+    # the row's whole block matched: drafting pays for every row, whose acceptance the sample stands for
+    _, whole = probe([7] * 15)
+    assert whole._promoted
+    # it matched nothing: a step of all three would not pay, and the probe is resolved
+    _, nothing = probe([8])
+    assert not nothing._promoted and not nothing._shadows
+    # the same evidence as a probe of all three rows where the other two matched as much: alike
+    table = CostTable(step_s=dict(costs), draft_s={3: 0.2}, probe_s={3: 0.1}, acceptance=0.3)
+    alike = VerificationPlanner(table, 16, 3, torch.device("cpu"))
+    alike._shadows = {row: [[7] * 15, 0, False, False] for row in range(3)}
+    alike._shadow_rows = [0, 1, 2]
+    alike.score_shadows([0, 1, 2], [[7] * 15] * 3)
+    assert alike._promoted
+
+
 def test_the_draft_head_projects_only_the_positions_a_row_can_verify(monkeypatch):
     """The LM head over the vocabulary is most of a draft's cost: a step that verifies 3 drafts projects 3."""
     from adaflash_hf.generation.draft_head import DraftHead

@@ -39,7 +39,7 @@ class RunnerUpOracle(OracleDrafter):
         out = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kw)
         bs = self.config.block_size
         hidden = out.last_hidden_state.clone()
-        for slot, row in enumerate(self.rows):
+        for slot, row in enumerate(self.rows_of(cache)):
             reference, anchor = self.references[row], int(position_ids[slot, -bs])
             for k in self.corrupt(row, anchor):
                 if anchor + k < len(reference):

@@ -307,8 +307,8 @@ def test_adapter_names_are_checked(target, tokenizer):
     batch = tokenizer(prompts(2, seed=14), return_tensors="pt", padding=True)
     bare = synthetic_drafter(target, tokenizer)
 
-    def run(drafter, names):
-        config = GenerationConfig(**GREEDY, adaflash_adapter_names=names)
+    def run(drafter, names, policy="fixed"):
+        config = GenerationConfig(**GREEDY, adaflash_adapter_names=names, adaflash_length_policy=policy)
         return target.generate(**batch, assistant_model=drafter, generation_config=config)
 
     with pytest.raises(ValueError, match="needs a PEFT-wrapped drafter"):
@@ -316,10 +316,12 @@ def test_adapter_names_are_checked(target, tokenizer):
     wrapped = get_peft_model(bare, LoraConfig(r=2, target_modules=["q_proj"]), adapter_name="alpha").eval()
     with pytest.raises(ValueError, match=r"does not hold; it holds \['alpha'\]"):
         run(wrapped, ["alpha", "beta"])
-    with pytest.raises(ValueError, match="2 rows"):
-        run(wrapped, ["alpha"])
     plain = target.generate(**batch, **GREEDY)
-    assert torch.equal(run(wrapped, ["alpha", "__base__"]), plain)
+    # the planner's first probes draft one row of the two, with that row's adapter (`AdaFlashCandidateGenerator.probe`)
+    for policy in ("fixed", "planned"):
+        with pytest.raises(ValueError, match="2 rows"):
+            run(wrapped, ["alpha"], policy)
+        assert torch.equal(run(wrapped, ["alpha", "__base__"], policy), plain)
 
 
 def test_online_config_errors_are_clear(tmp_path, target, tokenizer):

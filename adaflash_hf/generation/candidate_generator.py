@@ -211,6 +211,9 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
     def _take_pending(self) -> tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None]:
         """The queued context as one ``(features, positions, valid)``, emptying the queue."""
         pending, self._pending = self._pending, []
+        return self._joined(pending)
+
+    def _joined(self, pending: list) -> tuple[torch.Tensor, torch.LongTensor, torch.Tensor | None]:
         if len(pending) == 1:
             features, positions, valid = pending[0]
         else:
@@ -272,31 +275,90 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
         max_drafts ``[B]``: most drafts each row may still use (token budget minus the bonus token).
         """
         features, positions, valid = self._take_pending()
-        batch, new = features.shape[:2]
+        context_mask = self._context_mask(features.shape[0], features.shape[1], valid)
+        out = self._forward(
+            anchors, anchor_positions, features, positions, context_mask, self.cache, self.adapter_names
+        )
+        self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
+        self.cache_mask = context_mask
+        return self._drafts(out, anchors, sequences, lengths, max_drafts, rows)
+
+    @torch.no_grad()
+    def probe(
+        self,
+        anchors: torch.LongTensor,
+        anchor_positions: torch.LongTensor,
+        sequences: torch.LongTensor,
+        lengths: torch.LongTensor,
+        max_drafts: torch.LongTensor,
+        rows: torch.LongTensor | None = None,
+    ) -> Drafts:
+        """Drafts that a probe scores and nobody verifies (`planner.py`), for the rows with ``max_drafts > 0`` (the
+        rest get none); arguments as `draft`'s.
+
+        Where this call's drafter has read no context yet, those rows draft alone, each from its whole queued
+        context, in a cache of the probe's own, and the queue stays for the call's first real draft: a call's first
+        draft reads every row's prompt, which at batch 8 costs more than a plain step (BENCHMARKS.md section 31),
+        and a probe of one row reads one. Their drafts are the ones `draft` would give them (a row's draft depends
+        on its own context alone). Otherwise, as `draft`.
+        """
+        asked = max_drafts.gt(0).nonzero().flatten()
+        batch = max_drafts.shape[0]
+        if self.cache.get_seq_length() > 0 or asked.numel() == batch:
+            return self.draft(anchors, anchor_positions, sequences, lengths, max_drafts, rows)
+        index = asked.to(self.device)
+        features, positions, valid = self._joined(
+            [(f[index], p[index], v if v is None else v[index]) for f, p, v in self._pending]
+        )
+        if valid is not None and index.numel() == 1:  # one row: its padding need not be read at all
+            keep = valid[0]
+            features, positions, valid = features[:, keep], positions[:, keep], None
+        cache = DFlashCache(config=self.drafter.config)
+        hook = getattr(self.drafter, "on_select_rows", None)
+        if hook is not None:
+            hook(asked, cache, source=self.cache)
+        self._adapter_kwargs(batch, self.adapter_names)  # one name per row, or the clear error
+        names = None if self.adapter_names is None else [self.adapter_names[i] for i in asked.tolist()]
+        out = self._forward(anchors[asked], anchor_positions[asked], features, positions, valid, cache, names)
+        full = torch.arange(batch, device=lengths.device) if rows is None else rows
+        sample = self._drafts(out, anchors[asked], sequences, lengths[asked], max_drafts[asked], full[asked])
+        tokens = sample.tokens.new_zeros((batch, sample.tokens.shape[1]))
+        tokens[asked] = sample.tokens
+        num_drafts = max_drafts.new_zeros(batch)
+        num_drafts[asked] = sample.num_drafts
+        prediction = None
+        if sample.length_prediction is not None:
+            prediction = sample.length_prediction.new_zeros(batch)
+            prediction[asked] = sample.length_prediction
+        return Drafts(tokens, None, None, num_drafts, prediction)
+
+    def _forward(self, anchors, anchor_positions, features, positions, context_mask, cache, adapter_names):
+        """The drafter over one block per row after ``features`` (the context it has not read yet, at
+        ``positions``), with ``cache`` holding what it read before and ``context_mask`` the validity of all of it."""
+        batch = features.shape[0]
         offsets = torch.arange(self.block_size, device=self.device)
         block_ids = torch.full((batch, self.block_size), self.mask_token_id, dtype=torch.long, device=anchors.device)
         block_ids[:, 0] = anchors
         noise = self.input_embeddings(block_ids.to(self.input_embeddings.weight.device))
         position_ids = torch.cat([positions, anchor_positions.to(self.device)[:, None] + offsets], dim=1)
-
-        context_mask = self._context_mask(batch, new, valid)
         attention_mask = (
             None
             if context_mask is None
             else torch.cat([context_mask, torch.ones_like(context_mask[:, :1]).expand(-1, self.block_size)], 1)
         )
-        self.cache.set_previous_accepted_tokens(new)
-        out = self.drafter(
+        cache.set_previous_accepted_tokens(features.shape[1])
+        return self.drafter(
             noise_embeds=noise.to(self.device),
             context_hidden_states=features,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            cache=self.cache,
-            **self._adapter_kwargs(batch),
+            cache=cache,
+            **self._adapter_kwargs(batch, adapter_names),
         )
-        self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
-        self.cache_mask = context_mask
 
+    def _drafts(self, out, anchors, sequences, lengths, max_drafts, rows) -> Drafts:
+        """The drafts of the drafter's output ``out`` (arguments as `draft`'s)."""
+        batch = anchors.shape[0]
         hidden = out.last_hidden_state[:, 1:]
         length_prediction = None if out.length_prediction is None else out.length_prediction[:, 0]
         max_drafts = max_drafts.clamp(min=0)
@@ -352,15 +414,15 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
 
         return walk_selector(self.selector, hidden, logits, anchors, self.temperature, process)
 
-    def _adapter_kwargs(self, batch: int) -> dict:
-        if self.adapter_names is None:
+    def _adapter_kwargs(self, batch: int, names: list[str] | None) -> dict:
+        if names is None:
             return {}
-        if len(self.adapter_names) != batch:
+        if len(names) != batch:
             raise ValueError(
-                f"adaflash_adapter_names has {len(self.adapter_names)} names for a batch of {batch} rows; give one "
-                "adapter name per row."
+                f"adaflash_adapter_names has {len(names)} names for a batch of {batch} rows; give one adapter name "
+                "per row."
             )
-        return {"adapter_names": self.adapter_names}
+        return {"adapter_names": names}
 
     def _context_mask(self, batch: int, new: int, valid: torch.Tensor | None) -> torch.Tensor | None:
         """Validity of every drafter cache row after this step's context is appended (``None``: all valid)."""
@@ -424,6 +486,8 @@ class PathProposer(ContextPaths):
 
     def draft(self, *args, **kwargs) -> Drafts:
         raise RuntimeError("PathProposer has no drafter: the planner of the n-gram-only loop never drafts")
+
+    probe = draft
 
     def select_rows(self, index: torch.LongTensor) -> None:
         if self.ngram is not None:

@@ -189,7 +189,9 @@ class SpeculativeDecoding:
         else:
             if generator.draft_head.dtype is None:
                 plan.untimed()  # the draft head still times its dtypes in this draft
-            drafts = generator.draft(anchors, self.next_positions, self.sequences, lengths, max_drafts, rows)
+            # a probe's drafts are scored, not verified: the generator may draft only the rows the plan asked
+            draft = generator.probe if plan.probing() else generator.draft
+            drafts = draft(anchors, self.next_positions, self.sequences, lengths, max_drafts, rows)
             drafts.num_drafts = plan.after_draft(row_list, drafts)
         drafted = self.recorder.clock()
 

@@ -93,6 +93,11 @@ class StepPlan(Protocol):
         """Tokens of merged n-gram paths each row's tree may hold this step, at most ``cap``
         (``adaflash_ngram_nodes``); asked after `before_draft`."""
 
+    def probing(self) -> bool:
+        """Whether this step's drafts are only scored, none verified (the planner's probes): the drafter then drafts
+        only the rows `before_draft` asked drafts of, and apart from the call's context where it has read none yet
+        (`AdaFlashCandidateGenerator.probe`); asked after `before_draft`, when some row may draft."""
+
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
         """Drafts each row verifies, ``[R]``, at most ``drafts.num_drafts`` (`candidate_generator.Drafts`)."""
 
@@ -121,6 +126,9 @@ class PolicyPlan:
 
     def path_nodes(self, cap):
         return cap
+
+    def probing(self) -> bool:
+        return False
 
     def after_draft(self, rows, drafts):
         return drafts.num_drafts

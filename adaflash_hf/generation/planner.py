@@ -47,8 +47,10 @@ steps win, no acceptance is observed, so the planner probes after ``probe_interv
 doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the
 probes' cost within `PROBE_BUDGET` (1%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs
 its draft and the drafter's reading of the context queued since the last draft (`CostTable.probe_s`, apart from a
-drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1, and at batch 8 a call's first
-probe, which reads the whole prompt, more than a whole one (BENCHMARKS.md section 18).
+drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1; at batch 8 a probe of every row
+before the call's first real draft reads every prompt, more than a plain step (BENCHMARKS.md sections 18 and 31), so
+until the call drafts for real (`SAMPLE_PROBES`) a probe drafts one row, the rows taking turns, in a drafter cache of
+its own (`AdaFlashCandidateGenerator.probe`), and that row's block stands for the others' acceptance.
 
 **Probes verify nothing.** A probe is a *shadow* step: the drafter drafts its block, but the target verifies only the
 anchor, as in a plain step, and the block is scored against the tokens the target then commits on its own: the
@@ -165,6 +167,9 @@ START_ON_RATE = True
 # hybrid's copied paths lose 9% on changelog at batch 8: BENCHMARKS.md section 31);
 # `adaflash_demo.bench.batch_objective` switches it off for its A/B.
 FINISH_TIME = True
+# At batch > 1, a call's probes before its first real draft draft one row (`VerificationPlanner.plan`);
+# `adaflash_demo.bench.batch_objective --switch SAMPLE_PROBES` switches it off for its A/B.
+SAMPLE_PROBES = True
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -628,6 +633,11 @@ class VerificationPlanner:
         self._shadow_now = False  # this step is a probe: the drafter drafts, the target verifies the anchor only
         self._shadow_drafted = False  # and the drafter did draft (no row's budget left room: a plain step)
         self._shadow_width: int | None = None  # with a length head, the width the head chose for the probe's block
+        self._shadow_rows: list[int] = []  # the rows active at the pending probe, whether it drafted them or not
+        self._sampled = False  # this step is a probe of one row (`plan`)
+        # this call's drafter has read its context (a real draft, or a probe of every row): until then a probe at
+        # batch > 1 drafts one row (`plan`), which reads that row's context alone
+        self._read = False
         # row -> [its probe's drafts, drafts matched so far, resolved, refuted (a committed token disagreed)]
         self._shadows: dict[int, list] = {}
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
@@ -683,12 +693,22 @@ class VerificationPlanner:
         self._drafted_at = time.perf_counter()
         if self._shadow_now:  # a probe: keep the drafts to score, verify none
             self._shadow_drafted = True
+            # a probe of every row read their context into the call's drafter; one of a sample scores its rows
+            self._read = self._read or not self._sampled
+            asked = drafts.num_drafts.gt(0).cpu() if self._sampled else torch.ones(len(rows), dtype=torch.bool)
+            self._shadow_rows = list(rows)
             for slot, row in enumerate(rows):
-                self._shadows[row] = [drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist(), 0, False, False]
+                if asked[slot]:
+                    block = drafts.tokens[slot, : int(drafts.num_drafts[slot])].tolist()
+                    self._shadows[row] = [block, 0, False, False]
             self._shadow_width = None
             if PROBE_SAMPLES and self.length_head and drafts.length_prediction is not None and drafts.num_drafts.any():
-                self._shadow_width = self._head_width(rows, drafts.length_prediction, drafts.num_drafts)[0]
+                index = asked.nonzero().flatten()
+                probed = [rows[i] for i in index.tolist()]
+                prediction, offered = drafts.length_prediction[index], drafts.num_drafts[index]
+                self._shadow_width = self._head_width(probed, prediction, offered, count=len(rows))[0]
             return torch.zeros_like(drafts.num_drafts)
+        self._read = True
         if self.length_head and drafts.length_prediction is not None:
             return self.refine(rows, drafts.length_prediction, drafts.num_drafts)
         return drafts.num_drafts
@@ -746,9 +766,23 @@ class VerificationPlanner:
 
     def plan(self, rows: list[int], max_drafts: torch.LongTensor) -> torch.LongTensor:
         """Drafts each active row verifies in the next step, ``[R]``, at most ``max_drafts [R]`` (a row's token
-        budget); all zero = a plain step."""
+        budget); all zero = a plain step. A probe at batch > 1 before the call's drafter has read its context
+        drafts one row, the rows taking turns: its block costs a draft of one row's context (a call's first draft of
+        every row reads every prompt, at batch 8 more than a plain step: BENCHMARKS.md section 31), and its
+        acceptance stands for the rows it did not draft (`shadow_gain`)."""
         width = self.width(rows, int(max_drafts.max()) + 1)
-        return torch.clamp(max_drafts, min=0, max=width - 1)
+        drafts = torch.clamp(max_drafts, min=0, max=width - 1)
+        self._sampled = False
+        if SAMPLE_PROBES and self._shadow_now and len(rows) > 1 and not self._read:
+            able = drafts.gt(0).nonzero().flatten()
+            if able.numel():
+                self._sampled = True
+                chosen = able[(self._probes - 1) % able.numel()]
+                drafts = torch.where(torch.arange(len(rows), device=drafts.device) == chosen, drafts, 0)
+        return drafts
+
+    def probing(self) -> bool:
+        return self._shadow_now
 
     def width(self, rows: list[int], max_width: int) -> int:
         """The verify width of the next step for the active ``rows`` (at most ``max_width``); 1 = a plain step."""
@@ -984,12 +1018,12 @@ class VerificationPlanner:
         keep an old rate for ever), and a later call, or this one once the rate beats plain steps, drafts on it
         (`_draft_or_plain`). Not the call's own samples: counted there, probes' lucky blocks started drafting on chat
         and changelog, where it loses (BENCHMARKS.md section 27)."""
-        rows = len(self._shadows)
+        rows = max(len(self._shadow_rows), len(self._shadows))
         cost = self.table.cost(rows, width)
-        if cost is None:
+        if cost is None or not self._shadows:
             return
         tokens = sum(1 + min(matched, width - 1) for _, matched, _, _ in self._shadows.values())
-        self.table.observe_drafted(rows, tokens, cost)
+        self.table.observe_drafted(rows, tokens * rows / len(self._shadows), cost)  # the probed rows stand for all
 
     def _add_drafted_sample(self, rows: int, tokens: float, seconds: float) -> None:
         """One drafted step's committed ``tokens`` in ``seconds`` at ``rows``: the pair's moving average and this
@@ -1014,13 +1048,20 @@ class VerificationPlanner:
         matched alone would start drafting on every lucky block (where a draft is accepted with probability 0.45,
         half of all probes match one draft or more, which pays for a step of 1.75 plain steps, while drafting there
         commits 1.45 tokens per such step: BENCHMARKS.md section 20); and the estimate alone, with its prior, could
-        start drafting on a block that matched nothing."""
-        rows = len(self._shadows)
+        start drafting on a block that matched nothing.
+
+        A probe that drafted some of the rows (`plan`) prices a step of all of them: a row it did not draft expects
+        what its own observations, shrunk towards the call's pooled estimate with the probe's evidence in it, say."""
+        if not self._shadows:
+            return None
+        probed = list(self._shadows)
+        others = [row for row in self._shadow_rows if row not in self._shadows]
+        rows = len(probed) + len(others)
         plain, draft = self.table.cost(rows, 1), self.table.draft(rows)
         if plain is None or draft is None:
             return None
         pooled = (self.successes.sum() + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self.trials.sum() + PRIOR_WEIGHT)
-        index = torch.tensor(list(self._shadows), dtype=torch.long)
+        index = torch.tensor(probed, dtype=torch.long)
         matched = torch.tensor([m for _, m, _, _ in self._shadows.values()], dtype=torch.float64)
         refuted = torch.tensor([float(r) for _, _, _, r in self._shadows.values()], dtype=torch.float64)
         own_s, own_t = self.successes[index] + matched, self.trials[index] + matched + refuted
@@ -1030,9 +1071,16 @@ class VerificationPlanner:
         expected = (p[:, None] ** steps).cumsum(1)  # [rows, w - 1]: expected tokens at width w
         realized = 1 + torch.minimum(matched[:, None], steps)  # what the block would have committed at width w
         committed = torch.minimum(expected, realized)[:, 1:]  # column w - 2: width w
+        if others:
+            seen = (self.successes.sum() + matched.sum() + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (
+                self.trials.sum() + matched.sum() + refuted.sum() + PRIOR_WEIGHT
+            )
+            rest = torch.tensor(others, dtype=torch.long)
+            q = ((self.successes[rest] + PRIOR_WEIGHT * seen) / (self.trials[rest] + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+            committed = torch.cat([committed, (q[:, None] ** steps).cumsum(1)[:, 1:]])
         costs = [self.table.drafted_cost(rows, width) for width in range(2, longest + 2)]
-        best = max(rate for rate in self.rates(list(self._shadows), committed, costs) if rate is not None)
-        return best / self.rates(list(self._shadows), torch.ones(rows, 1, dtype=torch.float64), [plain])[0]
+        best = max(rate for rate in self.rates(probed + others, committed, costs) if rate is not None)
+        return best / self.rates(probed + others, torch.ones(rows, 1, dtype=torch.float64), [plain])[0]
 
     def refine(
         self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor
@@ -1048,11 +1096,15 @@ class VerificationPlanner:
         self.last_prediction = {"predicted_step_s": self.table.cost(len(rows), width), "predicted_tokens": committed}
         return torch.clamp(num_drafts, max=width - 1)
 
-    def _head_width(self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor):
+    def _head_width(
+        self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor, count: int | None = None
+    ):
         """``(width, powers)``: the width of the highest expected rate under the head's predictions, and the rows'
         ``p ** j`` behind it (``[R, max_width]``; ``None`` where the width was not chosen by rate: the block allows
-        one draft at most, or no drafted width is measured yet, which the cheapest one measures)."""
-        count, table = len(rows), self.table
+        one draft at most, or no drafted width is measured yet, which the cheapest one measures). ``count``: the
+        rows a step of that width would verify, if more than ``rows`` (a probe of some of them)."""
+        table = self.table
+        count = len(rows) if count is None else count
         max_width = int(num_drafts.max()) + 1
         if max_width <= 2:
             return max_width, None

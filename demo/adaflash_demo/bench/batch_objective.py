@@ -9,6 +9,9 @@ shipped held-out prompts of one domain, every output asserted identical to plain
 
     python -m adaflash_demo.bench.batch_objective --domains changelog,docs --batch-size 8 --repeats 10
 
+``--switch SAMPLE_PROBES`` compares another switch of the planner at batch > 1 the same way: a call's probes before
+its first real draft drafting one row (`planner.SAMPLE_PROBES`) against every row, which reads every prompt.
+
 It prints, per domain, each variant's speedup over plain with its 95% interval (paired bootstrap over calls,
 `harness.speedup_interval`) and the share of its steps that verified merged paths or drafts. Each variant has its own
 copy of the drafter (its own runtime profile, which starts empty unless ``ADAFLASH_HF_PROFILE_DIR`` holds one).
@@ -30,17 +33,29 @@ from adaflash_hf.generation import planner as planner_module
 from .ab import load_for_ab, speedup_cell
 from .harness import method_config
 
-OBJECTIVES = {"finish": True, "summed": False}
+# the planner's switches this compares, on and off, with their variants' labels
+SWITCHES = {"FINISH_TIME": ("finish", "summed"), "SAMPLE_PROBES": ("one-row probes", "every-row probes")}
 
 
-def variants(methods: list[str]) -> list[tuple[str, str, bool]]:
-    """``(name, method, FINISH_TIME)`` of each method under each objective."""
-    return [(f"{method} ({label})", method, finish) for method in methods for label, finish in OBJECTIVES.items()]
+def variants(methods: list[str], switch: str = "FINISH_TIME") -> list[tuple[str, str, bool]]:
+    """``(name, method, the switch's value)`` of each method with the planner's `switch` on and off."""
+    labels = dict(zip((True, False), SWITCHES[switch]))
+    return [(f"{method} ({labels[value]})", method, value) for method in methods for value in (True, False)]
 
 
-def measure(target, tokenizer, drafter, texts, batch_size: int, max_new_tokens: int, repeats: int, methods) -> dict:
+def measure(
+    target,
+    tokenizer,
+    drafter,
+    texts,
+    batch_size: int,
+    max_new_tokens: int,
+    repeats: int,
+    methods,
+    switch="FINISH_TIME",
+) -> dict:
     """Per variant and plain: ``(tokens, seconds)`` per call; per variant, its steps by kind."""
-    chosen = variants(methods)
+    chosen = variants(methods, switch)
     copies = {name: copy.deepcopy(drafter) for name, _, _ in chosen}
     tokenizer.padding_side = "left"
     rendered = [render_prompt(tokenizer, text) for text in texts]
@@ -53,10 +68,10 @@ def measure(target, tokenizer, drafter, texts, batch_size: int, max_new_tokens: 
     finish = {name: value for name, _, value in chosen}
     calls = {name: [] for name in configs}
     kinds = {name: {} for name in finish}
-    shipped = planner_module.FINISH_TIME
+    shipped = getattr(planner_module, switch)
 
     def run(name, ids):
-        planner_module.FINISH_TIME = finish.get(name, shipped)
+        setattr(planner_module, switch, finish.get(name, shipped))
         config, kwargs = configs[name]
         return target.generate(**ids, generation_config=config, **kwargs)
 
@@ -81,7 +96,7 @@ def measure(target, tokenizer, drafter, texts, batch_size: int, max_new_tokens: 
                 if not all(torch.equal(out, outputs["plain"]) for out in outputs.values()):
                     raise AssertionError("a variant's output differs from plain generate(): not lossless")
     finally:
-        planner_module.FINISH_TIME = shipped
+        setattr(planner_module, switch, shipped)
     return {"calls": calls, "kinds": kinds}
 
 
@@ -103,18 +118,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-domain", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--switch", choices=sorted(SWITCHES), default="FINISH_TIME", help="the planner's switch to compare on and off"
+    )
     args = parser.parse_args(argv)
     if args.batch_size < 2:
-        parser.error("--batch-size: the objectives differ only at batch > 1")
+        parser.error("--batch-size: the switches differ only at batch > 1")
     methods = args.methods.split(",")
     target, tokenizer, drafter, prompts = load_for_ab(parser, args)
-    names = [name for name, _, _ in variants(methods)]
+    names = [name for name, _, _ in variants(methods, args.switch)]
     print(f"batch {args.batch_size}, {args.max_new_tokens} new tokens")
     print(f"| domain | calls | {' | '.join(names)} |")
     print("|---|---|" + "---|" * len(names))
     for domain in prompts:
         measured = measure(
-            target, tokenizer, drafter, prompts[domain], args.batch_size, args.max_new_tokens, args.repeats, methods
+            target,
+            tokenizer,
+            drafter,
+            prompts[domain],
+            args.batch_size,
+            args.max_new_tokens,
+            args.repeats,
+            methods,
+            args.switch,
         )
         print(report(domain, measured), flush=True)
     return 0
