@@ -65,13 +65,13 @@ def measure(
     inputs = [tokenizer(batch, return_tensors="pt", padding=True) for batch in batches]
     configs = {name: method_config(target, method, max_new_tokens, copies[name]) for name, method, _ in chosen}
     configs["plain"] = method_config(target, "plain", max_new_tokens)
-    finish = {name: value for name, _, value in chosen}
+    values = {name: value for name, _, value in chosen}
     calls = {name: [] for name in configs}
-    kinds = {name: {} for name in finish}
+    kinds = {name: {} for name in values}
     shipped = getattr(planner_module, switch)
 
     def run(name, ids):
-        setattr(planner_module, switch, finish.get(name, shipped))
+        setattr(planner_module, switch, values.get(name, shipped))
         config, kwargs = configs[name]
         return target.generate(**ids, generation_config=config, **kwargs)
 

@@ -45,6 +45,7 @@ from transformers.cache_utils import DFlashCache
 from adaflash_hf.chat import render_prompt
 from adaflash_hf.generation.ngram import SuffixIndex
 from adaflash_hf.generation.options import AdaFlashGenerationOptions
+from adaflash_hf.generation.planner import match_committed
 from adaflash_hf.machine import machine_info, machine_summary
 from adaflash_hf.utils import write_json_atomic
 
@@ -79,13 +80,8 @@ class StepCosts:
 
 
 def matched(proposal: list[int], truth: list[int]) -> int:
-    """Leading tokens of ``proposal`` equal to ``truth``'s."""
-    count = 0
-    for a, b in zip(proposal, truth):
-        if a != b:
-            break
-        count += 1
-    return count
+    """Leading tokens of ``proposal`` equal to ``truth``'s (as the planner scores a probe's block)."""
+    return match_committed(proposal, 0, truth)[0]
 
 
 @torch.no_grad()
