@@ -334,3 +334,22 @@ def test_each_method_that_drafts_learns_on_its_own_copy_of_the_drafter(word_toke
         max_new_tokens=6,
     )
     assert not profile_for(target, drafter).cost_table(target.device, target.dtype).step_s  # the original ran nothing
+
+
+def test_the_hybrid_bounds_price_what_each_step_would_commit():
+    from adaflash_demo.bench.hybrid_bound import StepCosts, fixed_time, least_time
+
+    # a plain step 1 s, the draft 0.2 s, a forward of k tokens 1 + 0.1 (k - 1) s
+    rows = [{"batch_size": 1, "k": k, "target_ms": 1000 + 100 * (k - 1), "drafter_ms": 200} for k in (1, 2, 4, 8)]
+    costs = StepCosts(rows)
+    assert costs.forward(3) == pytest.approx(1.2) and costs.forward(10) == pytest.approx(1.9)
+    # 5 tokens (the prefill's first, then 4): at the first the drafts match 3, later nothing; a copied path of 4
+    # tokens matches 4 at the first, nothing later. The last step's token is the target's own, so 3 accepted tokens
+    # reach the end from the first
+    trace = {"a_dr": [3, 0, 0, 0], "paths": [[[4, 4]], [], [], []], "prefill_s": 0.0}
+    assert least_time(trace, costs, 16, True, 10) == pytest.approx(1.3)  # the path's 3 tokens, no draft
+    assert least_time(trace, costs, 16, True, 0) == pytest.approx(0.2 + 1.3)  # 3 drafts
+    assert least_time(trace, costs, 16, False, 0) == pytest.approx(4.0)  # plain steps only
+    # a fixed width of 2 with no paths: a draft and 2 tokens while there is room (2 tokens, then 1), then a plain step
+    assert fixed_time(trace, costs, 2, 0) == pytest.approx(2 * 1.3 + 1.0)
+    assert fixed_time(trace, costs, 1, 10) == pytest.approx(1.3)  # copying alone: the path verified at once
