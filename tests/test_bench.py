@@ -353,3 +353,17 @@ def test_the_hybrid_bounds_price_what_each_step_would_commit():
     # a fixed width of 2 with no paths: a draft and 2 tokens while there is room (2 tokens, then 1), then a plain step
     assert fixed_time(trace, costs, 2, 0) == pytest.approx(2 * 1.3 + 1.0)
     assert fixed_time(trace, costs, 1, 10) == pytest.approx(1.3)  # copying alone: the path verified at once
+
+
+def test_a_pooled_ab_mixes_the_domains_in_every_batch_and_names_each_switchs_values():
+    from adaflash_demo.bench.batch_objective import SWITCHES, interleaved, variants
+    from adaflash_hf.generation import planner
+
+    assert interleaved([["a1", "a2"], ["b1"], ["c1", "c2", "c3"]]) == ["a1", "b1", "c1", "a2", "c2", "c3"]
+    for switch, labels in SWITCHES.items():
+        assert isinstance(getattr(planner, switch), bool)  # a switch the A/B sets on and off
+        chosen = variants(["adaflash_planned"], switch)
+        assert [(value, name.endswith(f"({label})")) for (name, _, value), label in zip(chosen, labels)] == [
+            (True, True),
+            (False, True),
+        ]

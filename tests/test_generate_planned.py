@@ -230,6 +230,32 @@ def test_a_probe_of_one_row_prices_a_step_of_every_row():
     assert alike._promoted
 
 
+def test_a_probed_row_is_one_rows_evidence_for_the_rows_no_probe_drafted(monkeypatch):
+    # 32 rows at prices where a wide verification is compute-bound: width 2 costs 1.8 plain steps, 16 tokens 8
+    costs = {(32, 1): 1.0, (32, 2): 1.8, (32, 16): 8.0}
+    rows = list(range(32))
+
+    def probe(probed, earlier=None):
+        table = CostTable(step_s=dict(costs), draft_s={32: 0.2}, probe_s={32: 0.1}, acceptance=0.3)
+        planner = VerificationPlanner(table, 16, 32, torch.device("cpu"))
+        planner._shadows = {row: [[7] * 15, 0, False, False] for row in probed}
+        planner._shadow_rows, planner._probed_rows = rows, dict(earlier or {})
+        planner.score_shadows(rows, [[7] * 15 if row in probed else [5] for row in rows])
+        return planner
+
+    # one row's whole block matched: the 31 others may hold other content, so it does not promote a step of 32 rows
+    assert not probe([3])._promoted
+    # counted as its 15 drafts' observations, the same block stood for all 32 rows and promoted (the negative control)
+    monkeypatch.setattr(planner_module, "ROW_EVIDENCE", False)
+    assert probe([3])._promoted
+    monkeypatch.setattr(planner_module, "ROW_EVIDENCE", True)
+    # the same block in every row pays; and the call's earlier probes of other rows add their evidence to this one's
+    assert probe(rows)._promoted
+    twice = probe([3])
+    assert twice._probed_rows.keys() == {3}
+    assert probe([4], earlier={row: twice._probed_rows[3] for row in range(8)})._promoted
+
+
 def test_the_draft_head_projects_only_the_positions_a_row_can_verify(monkeypatch):
     """The LM head over the vocabulary is most of a draft's cost: a step that verifies 3 drafts projects 3."""
     from adaflash_hf.generation.draft_head import DraftHead

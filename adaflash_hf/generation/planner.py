@@ -170,6 +170,13 @@ FINISH_TIME = True
 # At batch > 1, a call's probes before its first real draft draft one row (`VerificationPlanner.plan`);
 # `adaflash_demo.bench.batch_objective --switch SAMPLE_PROBES` switches it off for its A/B.
 SAMPLE_PROBES = True
+# A row that such a probe drafted is one observation of the acceptance of the rows no probe drafted, beside the other
+# rows this call's probes drafted and `ROW_PRIOR_WEIGHT` rows at the call's pooled estimate (`shadow_gain`): counted
+# as its drafts' number of observations, one math row's matched block stood for 31 rows of other content at batch 32
+# and promoted drafted steps the batch did not repay (BENCHMARKS.md section 33). `batch_objective --switch
+# ROW_EVIDENCE` switches it off for its A/B.
+ROW_EVIDENCE = True
+ROW_PRIOR_WEIGHT = 2.0
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -640,6 +647,8 @@ class VerificationPlanner:
         self._read = False
         # row -> [its probe's drafts, drafts matched so far, resolved, refuted (a committed token disagreed)]
         self._shadows: dict[int, list] = {}
+        # row -> its acceptance as the last probe that drafted it alone estimated it (`ROW_EVIDENCE`)
+        self._probed_rows: dict[int, float] = {}
         self._promoted = False  # a probe showed drafting may pay: the next step drafts for real
         self._probes = 0  # probes this call
         # row count -> [committed tokens, seconds, steps] of this call's drafted steps (`_draft_or_plain`), and the
@@ -998,6 +1007,8 @@ class VerificationPlanner:
         else:
             return
         self._evidence = True
+        if self._sampled_probe():
+            self._probed_rows.update(zip(self._shadows, self._probed_acceptance().tolist()))
         if PROBE_SAMPLES and self._shadow_width is not None:
             self._observe_shadow_rate(self._shadow_width)
         if not self.length_head:  # the geometric model's observations: accepted drafts, then one rejection
@@ -1051,7 +1062,9 @@ class VerificationPlanner:
         start drafting on a block that matched nothing.
 
         A probe that drafted some of the rows (`plan`) prices a step of all of them: a row it did not draft expects
-        what its own observations, shrunk towards the call's pooled estimate with the probe's evidence in it, say."""
+        what its own observations say, shrunk towards the acceptance of the rows this call's probes drafted, each
+        one observation, beside `ROW_PRIOR_WEIGHT` rows at the call's pooled estimate (`ROW_EVIDENCE`): a batch's
+        rows may hold other content than the one row drafted, which its block's length says nothing about."""
         if not self._shadows:
             return None
         probed = list(self._shadows)
@@ -1060,27 +1073,48 @@ class VerificationPlanner:
         plain, draft = self.table.cost(rows, 1), self.table.draft(rows)
         if plain is None or draft is None:
             return None
-        pooled = (self.successes.sum() + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self.trials.sum() + PRIOR_WEIGHT)
-        index = torch.tensor(probed, dtype=torch.long)
         matched = torch.tensor([m for _, m, _, _ in self._shadows.values()], dtype=torch.float64)
         refuted = torch.tensor([float(r) for _, _, _, r in self._shadows.values()], dtype=torch.float64)
-        own_s, own_t = self.successes[index] + matched, self.trials[index] + matched + refuted
-        p = ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+        p = self._probed_acceptance()
         longest = max(len(d) for d, _, _, _ in self._shadows.values())
         steps = torch.arange(longest + 1, dtype=torch.float64)
         expected = (p[:, None] ** steps).cumsum(1)  # [rows, w - 1]: expected tokens at width w
         realized = 1 + torch.minimum(matched[:, None], steps)  # what the block would have committed at width w
         committed = torch.minimum(expected, realized)[:, 1:]  # column w - 2: width w
         if others:
-            seen = (self.successes.sum() + matched.sum() + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (
-                self.trials.sum() + matched.sum() + refuted.sum() + PRIOR_WEIGHT
-            )
+            if ROW_EVIDENCE:  # one observation a probed row, this probe's and the call's earlier ones'
+                estimates = {**self._probed_rows, **dict(zip(probed, p.tolist()))}
+                seen = (sum(estimates.values()) + ROW_PRIOR_WEIGHT * self._pooled_acceptance()) / (
+                    len(estimates) + ROW_PRIOR_WEIGHT
+                )
+            else:  # the probed rows' drafts, each an observation
+                seen = (self.successes.sum() + matched.sum() + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (
+                    self.trials.sum() + matched.sum() + refuted.sum() + PRIOR_WEIGHT
+                )
             rest = torch.tensor(others, dtype=torch.long)
             q = ((self.successes[rest] + PRIOR_WEIGHT * seen) / (self.trials[rest] + PRIOR_WEIGHT)).clamp(0.0, 0.999)
             committed = torch.cat([committed, (q[:, None] ** steps).cumsum(1)[:, 1:]])
         costs = [self.table.drafted_cost(rows, width) for width in range(2, longest + 2)]
         best = max(rate for rate in self.rates(probed + others, committed, costs) if rate is not None)
         return best / self.rates(probed + others, torch.ones(rows, 1, dtype=torch.float64), [plain])[0]
+
+    def _pooled_acceptance(self) -> float:
+        """Per-draft acceptance over this call's observations of every row, shrunk towards `PRIOR_ACCEPTANCE`."""
+        return float((self.successes.sum() + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self.trials.sum() + PRIOR_WEIGHT))
+
+    def _probed_acceptance(self) -> torch.Tensor:
+        """``[len(_shadows)]``: each probed row's per-draft acceptance from its own observations and the pending
+        probe's matched drafts and rejection, shrunk towards the call's pooled estimate."""
+        index = torch.tensor(list(self._shadows), dtype=torch.long)
+        matched = torch.tensor([m for _, m, _, _ in self._shadows.values()], dtype=torch.float64)
+        refuted = torch.tensor([float(r) for _, _, _, r in self._shadows.values()], dtype=torch.float64)
+        own_s, own_t = self.successes[index] + matched, self.trials[index] + matched + refuted
+        pooled = self._pooled_acceptance()
+        return ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+
+    def _sampled_probe(self) -> bool:
+        """Whether the pending probe drafted some of its rows, not all."""
+        return any(row not in self._shadows for row in self._shadow_rows)
 
     def refine(
         self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor

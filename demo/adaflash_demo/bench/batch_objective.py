@@ -10,7 +10,13 @@ shipped held-out prompts of one domain, every output asserted identical to plain
     python -m adaflash_demo.bench.batch_objective --domains changelog,docs --batch-size 8 --repeats 10
 
 ``--switch SAMPLE_PROBES`` compares another switch of the planner at batch > 1 the same way: a call's probes before
-its first real draft drafting one row (`planner.SAMPLE_PROBES`) against every row, which reads every prompt.
+its first real draft drafting one row (`planner.SAMPLE_PROBES`) against every row, which reads every prompt;
+``--switch ROW_EVIDENCE``: such a probe's row counting as one row's evidence for the rows it did not draft
+(`planner.ROW_EVIDENCE`) against its drafts' count. ``--pool`` measures the domains' prompts as one set, the domains
+taking turns within every batch (as a server's batch of mixed requests), for batch sizes one domain cannot fill:
+
+    python -m adaflash_demo.bench.batch_objective --switch ROW_EVIDENCE --pool --batch-size 32 --repeats 4 \
+        --domains changelog,chat,code,docs,math,shell --methods adaflash_planned
 
 It prints, per domain, each variant's speedup over plain with its 95% interval (paired bootstrap over calls,
 `harness.speedup_interval`) and the share of its steps that verified merged paths or drafts. Each variant has its own
@@ -34,13 +40,24 @@ from .ab import load_for_ab, speedup_cell
 from .harness import method_config
 
 # the planner's switches this compares, on and off, with their variants' labels
-SWITCHES = {"FINISH_TIME": ("finish", "summed"), "SAMPLE_PROBES": ("one-row probes", "every-row probes")}
+SWITCHES = {
+    "FINISH_TIME": ("finish", "summed"),
+    "SAMPLE_PROBES": ("one-row probes", "every-row probes"),
+    "ROW_EVIDENCE": ("a row's evidence", "its drafts' count"),
+}
 
 
 def variants(methods: list[str], switch: str = "FINISH_TIME") -> list[tuple[str, str, bool]]:
     """``(name, method, the switch's value)`` of each method with the planner's `switch` on and off."""
     labels = dict(zip((True, False), SWITCHES[switch]))
     return [(f"{method} ({labels[value]})", method, value) for method in methods for value in (True, False)]
+
+
+def interleaved(groups: list[list[str]]) -> list[str]:
+    """The groups' items taking turns (the first of each group, then the second, ...), so that every batch cut from
+    the list mixes the groups; a shorter group drops out when it runs out."""
+    longest = max((len(group) for group in groups), default=0)
+    return [group[i] for i in range(longest) for group in groups if i < len(group)]
 
 
 def measure(
@@ -121,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--switch", choices=sorted(SWITCHES), default="FINISH_TIME", help="the planner's switch to compare on and off"
     )
+    parser.add_argument(
+        "--pool", action="store_true", help="one set of all the domains' prompts, the domains taking turns in a batch"
+    )
     args = parser.parse_args(argv)
     if args.batch_size < 2:
         parser.error("--batch-size: the switches differ only at batch > 1")
     methods = args.methods.split(",")
     target, tokenizer, drafter, prompts = load_for_ab(parser, args)
+    if args.pool:
+        prompts = {f"pooled({'+'.join(prompts)})": interleaved(list(prompts.values()))}
     names = [name for name, _, _ in variants(methods, args.switch)]
     print(f"batch {args.batch_size}, {args.max_new_tokens} new tokens")
     print(f"| domain | calls | {' | '.join(names)} |")
