@@ -822,9 +822,7 @@ def test_with_a_length_head_it_drafts_while_drafted_steps_beat_plain_ones_and_pr
     assert fresh.width([0], 16) == 16 and int(fresh.refine([0], torch.tensor([0.9]), torch.tensor([15]))[0]) == 1
 
 
-@pytest.mark.parametrize("by_depth", [True, False])
-def test_the_head_calibration_follows_what_the_target_accepts(monkeypatch, by_depth):
-    monkeypatch.setattr(planner_module, "DEPTH_CALIBRATION", by_depth)
+def test_the_head_calibration_follows_what_the_target_accepts():
     costs = {(1, 1): 1.0, **{(1, w): 1.3 + 0.05 * w for w in range(2, 17)}}
     planner = _head_planner(costs)
     for _ in range(20):  # the head promises long blocks, the target accepts one draft of each
@@ -832,32 +830,8 @@ def test_the_head_calibration_follows_what_the_target_accepts(monkeypatch, by_de
         drafts = planner.refine([0], torch.tensor([12 / 16]), torch.tensor([15]))
         planner.observe([0], int(drafts[0]) + 1, [1], [int(drafts[0])])
         planner.table.step_s = dict(costs)
-    if by_depth:  # the first draft is accepted as the head says, the second never
-        depth = planner.table.head_depth()
-        assert depth[0] > 0.95 and depth[1] < 0.3 and planner.table.head_scale == 1.0
-    else:
-        assert planner.table.head_scale < 0.5
+    assert planner.table.head_scale < 0.5
     assert int(planner.refine([0], torch.tensor([12 / 16]), torch.tensor([15]))[0]) <= 4
-
-
-def test_the_heads_depths_count_what_was_accepted_against_what_the_head_expected_there():
-    table = CostTable()
-    assert torch.equal(table.head_depth(), torch.ones(planner_module.HEAD_DEPTHS, dtype=torch.float64))
-    p = torch.tensor([0.5, 0.25, 0.5], dtype=torch.float64)
-    # a row rejected at its first draft, one that accepted 2 of 3, one offered none (no room): no observation
-    table.observe_depths(p, torch.tensor([0.0, 2.0, 0.0]), torch.tensor([3.0, 3.0, 0.0]))
-    assert table.head_expected[:4] == [0.75, 0.25, 0.25, 0.0] and table.head_hits[:4] == [1.0, 1.0, 0.0, 0.0]
-    w = planner_module.DEPTH_PRIOR_WEIGHT
-    # each depth beside the one before's ratio (the first: the head's own); one that no step reached keeps it
-    first = (1 + w) / (0.75 + w)
-    second = (1 + w * first) / (0.25 + w)
-    third = w * second / (0.25 + w)
-    assert table.head_depth()[:4].tolist() == pytest.approx([first, second, third, third])
-    # depths past HEAD_DEPTHS share the last one, and earlier steps decay
-    table.observe_depths(p[:1], torch.tensor([15.0]), torch.tensor([15.0]))
-    last = planner_module.HEAD_DEPTHS - 1
-    assert table.head_expected[last] == pytest.approx(0.5 * (15 - last))
-    assert table.head_expected[0] == pytest.approx(0.75 * (1 - planner_module.DEPTH_DECAY) + 0.5)
 
 
 def test_a_width_priced_above_a_wider_one_is_priced_as_the_wider():

@@ -177,16 +177,6 @@ SAMPLE_PROBES = True
 # ROW_EVIDENCE` switches it off for its A/B.
 ROW_EVIDENCE = True
 ROW_PRIOR_WEIGHT = 2.0
-# With a length head, the head's per-draft acceptance (geometric in its predicted accepted drafts) is calibrated per
-# depth: the j-th draft's acceptance, given the ones before, is the head's times the pair's ratio of accepted drafts
-# at depth j to what the head expected of the steps that reached it (`CostTable.head_depth`), over recent steps
-# (`DEPTH_DECAY` a step), depths past `HEAD_DEPTHS` sharing the last. One scale of every depth, moved by the log of
-# each step's ratio, drifted down where outcomes scatter and wandered over 0.16-1.1 on code in one process, while
-# wide widths stayed over-valued (BENCHMARKS.md section 34). `adaflash_demo.bench.rate_prior` switches it off.
-DEPTH_CALIBRATION = True
-HEAD_DEPTHS = 8
-DEPTH_DECAY = 0.05
-DEPTH_PRIOR_WEIGHT = 2.0  # pseudo-steps at the head's own acceptance behind each depth's ratio
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -227,10 +217,6 @@ class CostTable:
     undrafted_s: dict[tuple[int, int], float] = field(default_factory=dict)
     # the last call's pooled acceptance of a merged n-gram path's j-th token given the ones before, per depth
     path_acceptance: list[float] = field(default_factory=lambda: [PRIOR_ACCEPTANCE] * PATH_DEPTHS)
-    # per depth (`DEPTH_CALIBRATION`): drafts accepted there and the head's expected acceptance of the steps that
-    # reached it, decayed sums; their ratio calibrates the head (`head_depth`)
-    head_hits: list[float] = field(default_factory=lambda: [0.0] * HEAD_DEPTHS)
-    head_expected: list[float] = field(default_factory=lambda: [0.0] * HEAD_DEPTHS)
 
     # (cost, key) -> the latest timed seconds of a step cost (`_record`); a cost without any came from a profile file
     _windows: dict[tuple[str, tuple[int, int]], deque] = field(default_factory=dict, repr=False, compare=False)
@@ -258,30 +244,6 @@ class CostTable:
             self._provisional.discard(tag)
         window.append(seconds)
         costs[key] = statistics.median(window)
-
-    def head_depth(self) -> torch.Tensor:
-        """``[HEAD_DEPTHS]``: per depth, the ratio of the drafts accepted there to the acceptance the head expected
-        of the steps that reached it, beside `DEPTH_PRIOR_WEIGHT` steps at the depth before's ratio (the first
-        depth's: the head's own, 1): a depth that steps seldom reach is no better calibrated than the one before,
-        and one that no step reached yet (every block rejected before it) would otherwise keep the head's promise."""
-        ratios, prior = [], 1.0
-        for hits, expected in zip(self.head_hits, self.head_expected):
-            prior = (hits + DEPTH_PRIOR_WEIGHT * prior) / (expected + DEPTH_PRIOR_WEIGHT)
-            ratios.append(prior)
-        return torch.tensor(ratios, dtype=torch.float64)
-
-    def observe_depths(self, p: torch.Tensor, accepted: torch.Tensor, offered: torch.Tensor) -> None:
-        """A drafted step's rows under the head's per-draft acceptance ``p [R]``: each depth up to the first rejection
-        (or the last draft offered) adds ``p`` to what was expected there, and 1 where its draft was accepted."""
-        reached = torch.minimum(accepted + 1, offered).clamp(max=HEAD_DEPTHS * 4)
-        hits = [x * (1 - DEPTH_DECAY) for x in self.head_hits]
-        expected = [x * (1 - DEPTH_DECAY) for x in self.head_expected]
-        for row in range(len(p)):
-            for depth in range(int(reached[row])):
-                bucket = min(depth, HEAD_DEPTHS - 1)
-                expected[bucket] += float(p[row])
-                hits[bucket] += float(depth < accepted[row])
-        self.head_hits, self.head_expected = hits, expected
 
     def observe_undrafted(self, rows: int, width: int, seconds: float, provisional: bool = False) -> None:
         self._record("undrafted_s", (rows, width), seconds, provisional)
@@ -663,7 +625,6 @@ class VerificationPlanner:
         self.block_size = block_size
         self.length_head = length_head
         self._expected_accepted: torch.Tensor | None = None  # per row of the refined step, for the head's calibration
-        self._head_p: torch.Tensor | None = None  # per row of the refined step, the head's per-draft acceptance
         self.successes = torch.zeros(batch_size, dtype=torch.float64)
         # tokens each row may still commit (its budget), as of its last step (`before_draft`; until then alike, and
         # more than any step commits)
@@ -1160,13 +1121,11 @@ class VerificationPlanner:
     ) -> torch.LongTensor:
         """The drafts each row verifies once the drafter has run, from its length head's prediction
         (``length_prediction [R]``: predicted ``(accepted + 1) / block_size``), at most ``num_drafts [R]``."""
-        width, powers, p = self._head_width(rows, length_prediction, num_drafts)
+        width, powers = self._head_width(rows, length_prediction, num_drafts)
         if powers is None:
             return torch.clamp(num_drafts, max=width - 1)
-        if DEPTH_CALIBRATION:
-            self._head_p = p
-        else:  # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j
-            self._expected_accepted = powers[:, 1:width].sum(1)
+        # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j
+        self._expected_accepted = powers[:, 1:width].sum(1)
         committed = float(powers[:, :width].sum())
         self.last_prediction = {"predicted_step_s": self.table.cost(len(rows), width), "predicted_tokens": committed}
         return torch.clamp(num_drafts, max=width - 1)
@@ -1174,43 +1133,27 @@ class VerificationPlanner:
     def _head_width(
         self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor, count: int | None = None
     ):
-        """``(width, reach, p)``: the width of the highest expected rate under the head's predictions, and the rows'
-        probabilities of reaching each depth and per-draft acceptance behind it (`_head_powers`; ``None`` where the
-        width was not chosen by rate: the block allows one draft at most, or no drafted width is measured yet, which
-        the cheapest one measures). ``count``: the rows a step of that width would verify, if more than ``rows`` (a
-        probe of some of them)."""
+        """``(width, powers)``: the width of the highest expected rate under the head's predictions, and the rows'
+        ``p ** j`` behind it (``[R, max_width]``; ``None`` where the width was not chosen by rate: the block allows
+        one draft at most, or no drafted width is measured yet, which the cheapest one measures). ``count``: the
+        rows a step of that width would verify, if more than ``rows`` (a probe of some of them)."""
         table = self.table
         count = len(rows) if count is None else count
         max_width = int(num_drafts.max()) + 1
         if max_width <= 2:
-            return max_width, None, None
+            return max_width, None
         if table.cost(count, 2) is None:
-            return PROBE_WIDTH, None, None
-        p, powers = self._head_powers(length_prediction, max_width)
+            return PROBE_WIDTH, None
+        predicted = (length_prediction.double().cpu() * self.block_size - 1).clamp(min=0) * table.head_scale
+        p = (predicted / (1 + predicted)).clamp(0.0, 0.999)
+        powers = p[:, None] ** torch.arange(max_width, dtype=torch.float64)
         widths = range(2, max_width + 1)
         committed = powers.cumsum(1)[:, 1:]  # column w - 2: each row's expected tokens at width w
         rates = dict(zip(widths, self.rates(rows, committed, table.costs(count, widths))))
         width = max(rates, key=rates.get)
         if width < max_width and table.measured(width) and not table.measured(width + 1):
             width += 1  # measure the next width once (as `width` does)
-        return width, powers, p
-
-    def _head_powers(self, length_prediction: torch.Tensor, max_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(p, reach)``: each row's per-draft acceptance under the head (``[R]``, geometric in its predicted accepted
-        drafts; scaled by `CostTable.head_scale` without `DEPTH_CALIBRATION`), and the probability that its first
-        ``k`` drafts are accepted (``[R, max_width]``, ``k = 0 ..``), with `DEPTH_CALIBRATION` each depth's
-        acceptance ``p`` times that depth's calibration."""
-        predicted = (length_prediction.double().cpu() * self.block_size - 1).clamp(min=0)
-        if not DEPTH_CALIBRATION:
-            predicted = predicted * self.table.head_scale
-        p = (predicted / (1 + predicted)).clamp(0.0, 0.999)
-        if not DEPTH_CALIBRATION:
-            return p, p[:, None] ** torch.arange(max_width, dtype=torch.float64)
-        depth = self.table.head_depth()
-        factor = depth[torch.arange(max_width - 1).clamp(max=HEAD_DEPTHS - 1)]
-        conditional = (p[:, None] * factor[None, :].double()).clamp(0.0, 0.999)
-        ones = torch.ones(len(p), 1, dtype=torch.float64)
-        return p, torch.cat([ones, conditional.cumprod(1)], 1)
+        return width, powers
 
     # ------------------------------------------------------------------ feedback
 
@@ -1277,9 +1220,6 @@ class VerificationPlanner:
             if self._drafted_at is not None:
                 self.table.observe_draft(len(rows), self._drafted_at - self._started)
             self._add_drafted_sample(len(rows), float(got.sum()) + len(rows), seconds)
-        if self._head_p is not None:
-            self.table.observe_depths(self._head_p, got, out_of)
-            self._head_p = None
         if self._expected_accepted is not None:
             # The head's predictions, scaled, should expect as many accepted drafts as the target accepts. The log of
             # the ratio drifts down wherever outcomes scatter (log E > E log: a head right on average settles near

@@ -125,8 +125,6 @@ class RuntimeProfile:
                         "acceptance": table.acceptance,
                         "path_acceptance": table.path_acceptance,
                         "head_scale": table.head_scale,
-                        "head_hits": table.head_hits,
-                        "head_expected": table.head_expected,
                     }
                     for (device, dtype), table in self._cost_tables.items()
                 },
@@ -158,11 +156,6 @@ class RuntimeProfile:
                 if len(stored) != len(cost.path_acceptance):
                     raise ValueError(f"path_acceptance holds {len(stored)} depths, not {len(cost.path_acceptance)}")
                 cost.path_acceptance = [float(x) for x in stored]
-                for name in ("head_hits", "head_expected"):  # a profile from before the head's depths: none yet
-                    stored = table.get(name, getattr(cost, name))
-                    if len(stored) != len(getattr(cost, name)):
-                        raise ValueError(f"{name} holds {len(stored)} depths, not {len(getattr(cost, name))}")
-                    setattr(cost, name, [float(x) for x in stored])
             for key, dtype in state["head_dtypes"]:
                 self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
             for key, layout in state["layouts"]:

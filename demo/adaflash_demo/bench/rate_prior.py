@@ -5,8 +5,7 @@ the pair's earlier rate (BENCHMARKS.md section 26); as shipped, a call drafts fr
 rate beats plain steps, probes' blocks are samples of that rate, and a call that is drafting stops only once an upper
 bound of its rate loses (`planner.START_ON_RATE`, `PROBE_SAMPLES`, `DRAFTING_BOUND_Z`: sections 28 and 29). This
 times the planner as shipped, the planner before section 29 (none of the three), optionally the shipped rule without
-the bound, the rule before section 26 (the call's own steps alone) and the planner calibrating the head by one scale
-(before section 34, `planner.DEPTH_CALIBRATION`), and the head's own policy beside them,
+the bound and the rule before section 26 (the call's own steps alone), and the head's own policy beside them,
 interleaved with plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1,
 every output asserted identical to plain's:
 
@@ -33,17 +32,8 @@ from adaflash_hf.generation import planner as planner_module
 
 from .ab import load_for_ab, speedup_cell
 
-CONSTANTS = (
-    "RATE_PRIOR_STEPS",
-    "DRAFTED_EMA",
-    "DRAFTING_BOUND_Z",
-    "PROBE_SAMPLES",
-    "START_ON_RATE",
-    "DEPTH_CALIBRATION",
-)
+CONSTANTS = ("RATE_PRIOR_STEPS", "DRAFTED_EMA", "DRAFTING_BOUND_Z", "PROBE_SAMPLES", "START_ON_RATE")
 SHIPPED = {name: getattr(planner_module, name) for name in CONSTANTS}
-# before section 34: one scale of the head's predictions, moved by the log of each step's ratio
-ONE_SCALE = {**SHIPPED, "DEPTH_CALIBRATION": False}
 WITHOUT_BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 0.0}
 # before section 29: a call starts with a probe, its probes only start drafting, and its own mean alone stops it
 BEFORE_29 = {**WITHOUT_BOUND, "START_ON_RATE": False, "PROBE_SAMPLES": False}
@@ -55,7 +45,6 @@ ALL = (
     "planner before section 29",
     "planner on its own steps",
     "head's policy",
-    "planner with one head scale",
 )
 DEFAULT = ("planner", "planner before section 29", "head's policy")
 
@@ -68,7 +57,6 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
         "planner before section 29": ("planned", BEFORE_29),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
         "head's policy": ("adaptive", SHIPPED),
-        "planner with one head scale": ("planned", ONE_SCALE),
     }
     return {name: every[name] for name in (DEFAULT if names is None else names)}
 

@@ -5,7 +5,7 @@ step, "p" a probe, a digit the drafts a drafted step accepted) with the verify w
 for the planner (``adaflash_length_policy="planned"``) and the head's policy (``"adaptive"``), each with its own copy
 of the drafter (its own runtime profile), then what the planner's pair knows once the call is over: drafting's rate
 over plain steps', a probe's and a draft's cost, the drafted widths' costs (all in plain steps) and the head's
-calibration (its scale, and its ratio at each depth: `planner.DEPTH_CALIBRATION`). Run it in a new process with ``ADAFLASH_HF_PROFILE_DIR=off`` to see what a new user's first calls do:
+calibration. Run it in a new process with ``ADAFLASH_HF_PROFILE_DIR=off`` to see what a new user's first calls do:
 
     ADAFLASH_HF_PROFILE_DIR=off OMP_NUM_THREADS=1 python -m adaflash_demo.bench.step_trace --domains shell
 
@@ -53,10 +53,9 @@ def table_state(table) -> str:
 
     speedup = table.drafting_speedup(1)
     widths = " ".join(f"{w}:{steps(s)}" for (rows, w), s in sorted(table.step_s.items()) if rows == 1 and w > 1)
-    depths = " ".join(f"{x:.2f}" for x in table.head_depth().tolist())
     return (
         f"rate {'-' if speedup is None else f'{speedup:.2f}'}, probe {steps(table.probe(1))}, "
-        f"draft {steps(table.draft(1))}, head scale {table.head_scale:.2f}, by depth {depths}, widths {widths or '-'}"
+        f"draft {steps(table.draft(1))}, head scale {table.head_scale:.2f}, widths {widths or '-'}"
     )
 
 
