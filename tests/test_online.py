@@ -75,6 +75,12 @@ def test_buffer_is_durable_ordered_bounded_and_quarantines_bad_files(tmp_path):
     assert (tmp_path / "buffer" / "quarantine" / corrupt.name).exists()  # kept for inspection, not deleted
     with pytest.raises(ValueError, match="Domain tag"):
         reopened.add([1], [1], domain="no/slashes")
+    # a write in flight (the serving thread's, while the trainer's thread takes samples) is no sample yet: neither
+    # listed, nor taken, nor quarantined as unreadable, so its rename still finds it
+    in_flight = tmp_path / "buffer" / f".tmp-cafe-{reopened.sample_ids()[0]}.json"
+    in_flight.write_text('{"sample_id": ')
+    assert not any(i.startswith(".tmp-") for i in reopened.sample_ids()) and len(reopened.take(10)) == 2
+    assert in_flight.exists() and len(reopened) == 2
 
 
 def test_store_publishes_atomically_and_verify_names_the_bad_file(tmp_path):

@@ -69,7 +69,10 @@ class SampleBuffer:
 
     def sample_ids(self, domain: str | None = None) -> list[str]:
         """Ids of the buffered samples, oldest first; only those tagged ``domain`` when one is given."""
-        ids = sorted(path.name[: -len(_SUFFIX)] for path in self.directory.glob(f"*{_SUFFIX}"))
+        # a write in flight (another thread's `add`) is a staging file that also ends in the suffix: not a sample
+        # until its rename, and taken or quarantined before it, the write would fail and its sample be lost
+        names = (path.name for path in self.directory.glob(f"*{_SUFFIX}"))
+        ids = sorted(name[: -len(_SUFFIX)] for name in names if not name.startswith(TEMPORARY_PREFIX))
         return ids if domain is None else [i for i in ids if self._domain_of(i) == domain]
 
     def __len__(self) -> int:
