@@ -173,8 +173,8 @@ SAMPLE_PROBES = True
 # A row that such a probe drafted is one observation of the acceptance of the rows no probe drafted, beside the other
 # rows this call's probes drafted and `ROW_PRIOR_WEIGHT` rows at the call's pooled estimate (`shadow_gain`): counted
 # as its drafts' number of observations, one math row's matched block stood for 31 rows of other content at batch 32
-# and promoted drafted steps the batch did not repay (BENCHMARKS.md section 33). `batch_objective --switch
-# ROW_EVIDENCE` switches it off for its A/B.
+# and promoted drafted steps the batch did not repay (BENCHMARKS.md section 33; the A/B: section 34).
+# `batch_objective --switch ROW_EVIDENCE` switches it off for its A/B.
 ROW_EVIDENCE = True
 ROW_PRIOR_WEIGHT = 2.0
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
@@ -1073,8 +1073,7 @@ class VerificationPlanner:
         plain, draft = self.table.cost(rows, 1), self.table.draft(rows)
         if plain is None or draft is None:
             return None
-        matched = torch.tensor([m for _, m, _, _ in self._shadows.values()], dtype=torch.float64)
-        refuted = torch.tensor([float(r) for _, _, _, r in self._shadows.values()], dtype=torch.float64)
+        matched, refuted = self._shadow_counts()
         p = self._probed_acceptance()
         longest = max(len(d) for d, _, _, _ in self._shadows.values())
         steps = torch.arange(longest + 1, dtype=torch.float64)
@@ -1106,11 +1105,17 @@ class VerificationPlanner:
         """``[len(_shadows)]``: each probed row's per-draft acceptance from its own observations and the pending
         probe's matched drafts and rejection, shrunk towards the call's pooled estimate."""
         index = torch.tensor(list(self._shadows), dtype=torch.long)
-        matched = torch.tensor([m for _, m, _, _ in self._shadows.values()], dtype=torch.float64)
-        refuted = torch.tensor([float(r) for _, _, _, r in self._shadows.values()], dtype=torch.float64)
+        matched, refuted = self._shadow_counts()
         own_s, own_t = self.successes[index] + matched, self.trials[index] + matched + refuted
         pooled = self._pooled_acceptance()
         return ((own_s + PRIOR_WEIGHT * pooled) / (own_t + PRIOR_WEIGHT)).clamp(0.0, 0.999)
+
+    def _shadow_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(matched, refuted)``, ``[len(_shadows)]`` each: the pending probe's drafts matched so far per row, and
+        whether a committed token refuted its block."""
+        shadows = self._shadows.values()
+        matched = torch.tensor([m for _, m, _, _ in shadows], dtype=torch.float64)
+        return matched, torch.tensor([float(r) for _, _, _, r in shadows], dtype=torch.float64)
 
     def _sampled_probe(self) -> bool:
         """Whether the pending probe drafted some of its rows, not all."""
