@@ -1,5 +1,6 @@
 """The draft head's dtype: a bfloat16 copy of a float32 target's LM head projects the drafts when it is measured
-faster, and output stays exactly the target's (greedy identity here; sampling in test_generate_sampling.py)."""
+faster, and output stays exactly the target's (greedy identity here; sampling in test_generate_sampling.py); a
+float32 head's kernel, measured per number of projected positions."""
 
 import threading
 
@@ -9,9 +10,9 @@ from helpers import oracle_drafter, tiny_drafter, tiny_target
 from transformers import GenerationConfig
 
 import adaflash_hf
-from adaflash_hf.generation import draft_head
+from adaflash_hf.generation import draft_head, verify_layout
 from adaflash_hf.generation.draft_head import DraftHead
-from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, RuntimeProfile
+from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, HEAD_KERNEL_TRIALS, RuntimeProfile
 
 PROMPTS = [[0, 5, 9, 33, 17, 4, 80], [0, 44, 8], [0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 101, 3, 9]]
 
@@ -141,3 +142,62 @@ def test_floating_dtypes_and_their_aliases_stay_exact(name):
     config = GenerationConfig(max_new_tokens=10, do_sample=False, adaflash_draft_head_dtype=name)
     out = target.generate(ids, generation_config=config, assistant_model=tiny_drafter(target))
     assert torch.equal(out, expected)
+
+
+def _fake_kernel_timing(monkeypatch, seconds: dict) -> list:
+    """Replaces the clock of the head's kernel trials: a projection of ``n`` positions in kernel ``k`` takes
+    ``seconds[(n, k)]`` (``"linear"``: no kernel rerouted the product). Returns the kernels each call ran."""
+    ran, used = [], []
+    for name, kernel in verify_layout.KERNELS.items():
+        if name != "linear":
+
+            def product(self, flat, weight, name=name, real=kernel.product):
+                used.append(name)
+                return real(self, flat, weight)
+
+            monkeypatch.setattr(kernel, "product", product)
+
+    def timed(head, hidden, dtype, vocab, profile):
+        used.clear()
+        logits = draft_head._project(head, hidden, dtype, vocab, profile)
+        ran.append(used[0] if used else "linear")
+        return logits, seconds[(hidden.shape[1], ran[-1])]
+
+    monkeypatch.setattr(draft_head, "_timed", timed)
+    return ran
+
+
+def test_a_float32_head_keeps_the_fastest_kernel_for_each_number_of_positions(monkeypatch):
+    head = tiny_target(seed=7).get_output_embeddings()
+    # two positions: the transposed product is the fast one; eight: none beats linear by the margin
+    seconds = {(2, "linear"): 1.0, (2, "transposed"): 0.2, (2, "onednn"): 0.9}
+    seconds |= {(8, "linear"): 1.0, (8, "transposed"): 0.95, (8, "onednn"): 1.0, (8, "blocked"): 1.2}
+    ran = _fake_kernel_timing(monkeypatch, seconds)
+    profile = RuntimeProfile()
+    projector = DraftHead(head, dtype_name="same", profile=profile)
+    for positions in (2, 8):
+        hidden = torch.randn(1, positions, head.weight.shape[1])
+        reference = torch.nn.functional.linear(hidden, head.weight)
+        trials = 0
+        while profile.head_kernels.chosen((projector._key, positions)) is None:
+            torch.testing.assert_close(projector(hidden), reference)  # every kernel: the same products
+            trials += 1
+            assert projector.timed_kernel and trials <= 4 * HEAD_KERNEL_TRIALS
+        assert projector(hidden) is not None and not projector.timed_kernel  # decided: no more trials
+    assert profile.head_kernels.chosen((projector._key, 2)) == "transposed"
+    assert profile.head_kernels.chosen((projector._key, 8)) == "linear"  # 5% faster is within the margin
+    assert set(ran) == {"linear", "transposed", "onednn", "blocked"}  # blocked only where it may win: 4+ tokens
+    assert ran.count("blocked") == HEAD_KERNEL_TRIALS and "blocked" not in ran[: 3 * HEAD_KERNEL_TRIALS]
+
+
+@pytest.mark.parametrize("case", ["linear layout", "kernel named", "bfloat16 head"])
+def test_the_head_times_no_kernel_where_none_is_to_be_chosen(monkeypatch, case):
+    head = tiny_target(seed=8).get_output_embeddings()
+    ran = _fake_kernel_timing(monkeypatch, {})
+    layout = {"linear layout": "linear", "kernel named": "transposed"}.get(case, "auto")
+    projector = DraftHead(head, dtype_name="bfloat16" if case == "bfloat16 head" else "same", layout=layout)
+    hidden = torch.randn(1, 2, head.weight.shape[1])
+    for _ in range(3):
+        projector(hidden)
+        assert not projector.timed_kernel
+    assert ran == [] and projector.profile.head_kernels.timings == {}

@@ -14,8 +14,10 @@ from transformers import GenerationConfig
 
 import adaflash_hf
 from adaflash_hf.generation import planner as planner_module
+from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import CostTable, VerificationPlanner
 from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, profile_for
+from adaflash_hf.generation.verify_layout import VerifyLayout
 
 PLANNED = dict(adaflash_length_policy="planned")
 
@@ -278,9 +280,33 @@ def test_the_draft_head_projects_only_the_positions_a_row_can_verify(monkeypatch
         assert got == alone(target, prompt, max_new_tokens=30, eos_token_id=None)
 
 
-def test_planned_sampling_matches_the_processed_distribution(monkeypatch):
+def test_with_a_length_head_only_the_drafts_its_width_verifies_are_projected(monkeypatch):
+    """The planner picks the width from the head's prediction before the head over the vocabulary runs: a step of
+    width 3 projects 2 positions of the block, not all of them."""
+    from adaflash_hf.generation.draft_head import DraftHead
+
+    projected = []
+    real = DraftHead.__call__
+    monkeypatch.setattr(
+        DraftHead, "__call__", lambda self, hidden: projected.append(hidden.shape[1]) or real(self, hidden)
+    )
+    _forced(monkeypatch, lambda step, rows, cap: cap.tolist())  # every step drafts the whole block
+    monkeypatch.setattr(VerificationPlanner, "_head_width", lambda self, rows, prediction, cap, count=None: (3, None))
+    target = tiny_target()
+    prompts = PROMPTS[:3]
+    ids, mask = left_pad(prompts)
+    out, stats = _generate(target, tiny_drafter(target, use_length_head=True), ids, mask, None)
+    assert len(projected) == len(stats.steps) - 1 and max(projected) == 2  # the prefill's step drafts nothing
+    assert max(step.verify_width for step in stats.steps) == 3
+    for got, prompt in zip(rows_of(out, prompts), prompts):
+        assert got == alone(target, prompt, max_new_tokens=30, eos_token_id=None)
+
+
+@pytest.mark.parametrize("length_head", [False, True], ids=["no head", "length head"])
+def test_planned_sampling_matches_the_processed_distribution(monkeypatch, length_head):
+    """With a length head, the drafts a step verifies are sampled from a projection of those positions alone."""
     target = tiny_target(vocab_size=12, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=11)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=11, use_length_head=length_head)
     _forced(monkeypatch, lambda step, rows, cap: [3 * (step % 2)] * len(rows))  # plain and drafted steps alternate
     drafter.config.length_policy = "planned"  # a GenerationConfig object would drop the model's sampling defaults
     torch.manual_seed(0)
@@ -767,6 +793,21 @@ def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monke
     target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype: those drafts are marked
     assert 0 < len(marked) <= 2 * HEAD_DTYPE_TRIALS
+
+
+def test_a_step_whose_draft_head_timed_a_kernel_is_priced_as_a_trial(monkeypatch):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    profile_for(target, drafter).reset()
+    marked, timed = [], []
+    monkeypatch.setattr(VerificationPlanner, "trial", lambda self: marked.append(True))
+    monkeypatch.setattr(VerifyLayout, "layout", lambda self, tokens: ("linear", False))  # no verification trials
+    record = MeasuredChoice.record
+    monkeypatch.setattr(MeasuredChoice, "record", lambda self, *args: timed.append(args) or record(self, *args))
+    _forced(monkeypatch, lambda step, rows, cap: [2] * len(rows))
+    ids, mask = left_pad(PROMPTS[:1])
+    _generate(target, drafter, ids, mask, None, adaflash_draft_head_dtype="same")
+    assert len(marked) == len(timed) > 0  # each kernel trial of the head, and nothing else
 
 
 def test_the_cost_table_is_kept_per_pair_for_the_process():

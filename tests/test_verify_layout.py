@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 
 import adaflash_hf
 from adaflash_hf.generation import verify_layout
+from adaflash_hf.generation.draft_head import DraftHead
 from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import VerificationPlanner
 from adaflash_hf.generation.profile import LAYOUT_TRIALS, RuntimeProfile, profile_for
@@ -263,6 +264,8 @@ def test_layout_trials_are_told_to_the_planner_as_trials(monkeypatch):
         return chosen
 
     monkeypatch.setattr(VerifyLayout, "layout", counted)
+    # no kernel trials of the draft head's product either (test_draft_head.py): every mark is a layout trial
+    monkeypatch.setattr(DraftHead, "_kernel", lambda self, dtype, positions: ("linear", None))
     config = GenerationConfig(
         max_new_tokens=20,
         do_sample=False,

@@ -164,6 +164,7 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
             options.draft_head_dtype,
             vocab=config.draft_vocab,
             profile=profile_for(target, drafter),
+            layout=options.verify_layout,
         )
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
@@ -266,6 +267,7 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
         lengths: torch.LongTensor,
         max_drafts: torch.LongTensor,
         rows: torch.LongTensor | None = None,
+        projected=None,
     ) -> Drafts:
         """Drafts one block per row after the queued context.
 
@@ -273,6 +275,9 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
         position. sequences ``[N, T]``: the whole batch's ids, for the logits processors; row ``b`` drafts after
         ``sequences[rows[b], :lengths[b]]`` (``rows=None``: row ``b``; see `process_positions`).
         max_drafts ``[B]``: most drafts each row may still use (token budget minus the bonus token).
+        projected (*optional*): ``length_prediction [B] (or None) -> [B]``, called once the drafter's forward has
+        run: the drafts of each row that may be verified, given its length head's prediction for the block; only
+        those positions are projected to logits (the step's plan, `length_policy.StepPlan.projected`).
         """
         features, positions, valid = self._take_pending()
         context_mask = self._context_mask(features.shape[0], features.shape[1], valid)
@@ -281,7 +286,7 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
         )
         self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
         self.cache_mask = context_mask
-        return self._drafts(out, anchors, sequences, lengths, max_drafts, rows)
+        return self._drafts(out, anchors, sequences, lengths, max_drafts, rows, projected)
 
     @torch.no_grad()
     def probe(
@@ -356,20 +361,23 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
             **self._adapter_kwargs(batch, adapter_names),
         )
 
-    def _drafts(self, out, anchors, sequences, lengths, max_drafts, rows) -> Drafts:
+    def _drafts(self, out, anchors, sequences, lengths, max_drafts, rows, projected=None) -> Drafts:
         """The drafts of the drafter's output ``out`` (arguments as `draft`'s)."""
         batch = anchors.shape[0]
         hidden = out.last_hidden_state[:, 1:]
         length_prediction = None if out.length_prediction is None else out.length_prediction[:, 0]
         max_drafts = max_drafts.clamp(min=0)
         if not self.policy.needs_confidence:
-            # The LM head over the whole vocabulary is most of a draft's cost, and every policy but `confidence`
+            # The LM head over the vocabulary is a large part of a draft's cost, and every policy but `confidence`
             # (which reads the drafts' probabilities) knows its lengths before it: project only the positions some
             # row can verify (at least one, so every shape stays non-empty).
             verifiable = self.policy.candidate_lengths(
                 self.block_size, batch, length_prediction=length_prediction, device=anchors.device
             )
-            hidden = hidden[:, : max(int(torch.minimum(verifiable - 1, max_drafts).max()), 1)]
+            limit = torch.minimum(verifiable - 1, max_drafts)
+            if projected is not None:
+                limit = torch.minimum(limit, projected(length_prediction).to(limit.device))
+            hidden = hidden[:, : max(int(limit.max()), 1)]
         logits = self.draft_head(hidden).to(anchors.device)
         if self.selector is None:
             logits, tokens = process_positions(

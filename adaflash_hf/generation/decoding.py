@@ -181,6 +181,14 @@ class SpeculativeDecoding:
         padded = self._padded_rows()  # stopped rows plain decoding pads propose nothing
         paths = generator.ngram_paths(room if padded is None else room.masked_fill(padded, 0), self.eos)
         max_drafts = plan.before_draft(row_list, room, None if paths is None else [p[0] if p else [] for p in paths])
+        path_nodes = 0 if paths is None else plan.path_nodes(generator.options.ngram_nodes)
+
+        def projected(length_prediction):
+            verified = plan.projected(row_list, length_prediction, max_drafts)
+            if self.tree is not None and path_nodes:  # a tree's budget holds the paths' tokens, which may sit on
+                verified = torch.minimum(verified + path_nodes, max_drafts)  # the drafter's (`tree_shape`)
+            return verified
+
         start = self.recorder.clock()
         anchors = self.sequences[rows, lengths - 1]
         drafter_ran = bool(max_drafts.gt(0).any())
@@ -189,14 +197,18 @@ class SpeculativeDecoding:
         else:
             if generator.draft_head.dtype is None:
                 plan.untimed()  # the draft head still times its dtypes in this draft
-            # a probe's drafts are scored, not verified: the generator may draft only the rows the plan asked
-            draft = generator.probe if plan.probing() else generator.draft
-            drafts = draft(anchors, self.next_positions, self.sequences, lengths, max_drafts, rows)
+            if plan.probing():  # a probe's drafts are scored, not verified: only the rows the plan asked draft
+                drafts = generator.probe(anchors, self.next_positions, self.sequences, lengths, max_drafts, rows)
+            else:
+                drafts = generator.draft(
+                    anchors, self.next_positions, self.sequences, lengths, max_drafts, rows, projected
+                )
+            if generator.draft_head.timed_kernel:
+                plan.trial()  # the draft head's product timed a kernel (`draft_head.py`), possibly the slow one
             drafts.num_drafts = plan.after_draft(row_list, drafts)
         drafted = self.recorder.clock()
 
         history = History(self.sequences, lengths, rows)
-        path_nodes = 0 if paths is None else plan.path_nodes(generator.options.ngram_nodes)
         if self.tree is not None and (bool(drafts.num_drafts.gt(0).any()) or path_nodes and any(paths)):
             positions = 0 if drafts.logits is None else drafts.logits.shape[1]  # the drafter's, if it ran
             depth, budget = plan.tree_shape(drafts.num_drafts, room, positions, self.tree.budget)

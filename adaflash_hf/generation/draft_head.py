@@ -19,6 +19,13 @@ against that same distribution (docs/algorithm.md §3.4), so the output distribu
 ``GenerationConfig(adaflash_draft_head_dtype=...)`` overrides the choice: ``"auto"`` (the default, measured),
 ``"same"`` (the target head's own dtype, no copy) or a dtype name such as ``"bfloat16"``.
 
+A float32 head on a CPU also runs the product in the fastest of the verification kernels (`verify_layout.KERNELS`)
+for its number of projected positions (rows x drafts), measured the same way per `verify_layout.measured_key`: the
+planner projects only the drafts it verifies, 1-3 positions at batch 1 on most steps, where float32 ``linear`` on the
+vocabulary rows can cost as much as a whole block and the transposed product a quarter of it (BENCHMARKS.md
+section 35). ``adaflash_verify_layout`` applies here as in the target's forwards: ``"linear"`` never reroutes, a
+kernel's name always runs it.
+
 A drafter with a reduced draft vocabulary (``AdaFlashConfig.draft_vocab``) projects with only those rows of the
 head (one copy per head, dtype and vocabulary), which divides the head's cost by the vocabulary ratio; the logits are
 then scattered back into the whole vocabulary with ``-inf`` elsewhere, so logits processors, sampling, acceptance
@@ -34,6 +41,7 @@ import torch
 
 from ..draft_vocab_rows import full_vocab_logits, vocab_ids, vocab_rows
 from .profile import RuntimeProfile
+from .verify_layout import KERNELS, measured_key
 
 DRAFT_HEAD_CHOICES = ("auto", "same")
 
@@ -105,6 +113,11 @@ class DraftHead:
         vocab (`list[int]`, *optional*): the drafter's reduced draft vocabulary (``AdaFlashConfig.draft_vocab``).
         profile (`RuntimeProfile`, *optional*): where the dtype choice and the weight copies live (the pair's
             `profile.profile_for` in generation); a new one by default.
+        layout (`str`): ``adaflash_verify_layout``: the float32 product's kernel, ``"auto"`` (measured per projected
+            positions), ``"linear"`` (the module's own) or a kernel's name.
+
+    Attributes:
+        timed_kernel (`bool`): the last call timed a kernel (a step a little slower than later ones).
     """
 
     def __init__(
@@ -113,8 +126,11 @@ class DraftHead:
         dtype_name: str = "auto",
         vocab=None,
         profile: RuntimeProfile | None = None,
+        layout: str = "auto",
     ):
         self.head = output_embeddings
+        self.layout = layout
+        self.timed_kernel = False
         self.profile = RuntimeProfile() if profile is None else profile
         weight = output_embeddings.weight
         self.vocab = None if vocab is None else _Vocab(vocab, weight.device)
@@ -137,11 +153,32 @@ class DraftHead:
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = self.dtype
-        if dtype is not None:
-            return _project(self.head, hidden, dtype, self.vocab, self.profile)
-        choice = self.profile.head_dtypes
-        dtype = choice.next_trial(self._key)
-        logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile)
-        choice.record(self._key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
+        dtype, self.timed_kernel = self.dtype, False
+        if dtype is None:
+            choice = self.profile.head_dtypes
+            dtype = choice.next_trial(self._key)
+            logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile)
+            choice.record(self._key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
+            return logits
+        kernel, key = self._kernel(dtype, hidden.shape[0] * hidden.shape[1])
+        if key is None:
+            with KERNELS[kernel]():
+                return _project(self.head, hidden, dtype, self.vocab, self.profile)
+        with KERNELS[kernel]():
+            logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile)
+        self.profile.head_kernels.record(key, kernel, seconds)
+        self.timed_kernel = True
         return logits
+
+    def _kernel(self, dtype: torch.dtype, positions: int) -> tuple[str, tuple | None]:
+        """``(kernel, key)`` of a projection of ``positions`` positions in ``dtype``: ``key`` when this call times
+        the kernel (`RuntimeProfile.head_kernels`), else ``None``."""
+        tokens = measured_key(positions)
+        if dtype != torch.float32 or self.head.weight.device.type != "cpu" or tokens is None:
+            return "linear", None  # the kernels reroute float32 products on a CPU only
+        if self.layout != "auto":
+            return self.layout, None
+        key = (self._key, tokens)
+        choice = self.profile.head_kernels
+        chosen = choice.chosen(key)
+        return (chosen, None) if chosen is not None else (choice.next_trial(key), key)

@@ -98,6 +98,14 @@ class StepPlan(Protocol):
         only the rows `before_draft` asked drafts of, and apart from the call's context where it has read none yet
         (`AdaFlashCandidateGenerator.probe`); asked after `before_draft`, when some row may draft."""
 
+    def projected(
+        self, rows: list[int], length_prediction: torch.Tensor | None, max_drafts: torch.LongTensor
+    ) -> torch.LongTensor:
+        """Drafts of each row that may be verified, ``[R]``, at most ``max_drafts`` (`before_draft`'s): asked once
+        the drafter's forward has run (``length_prediction [R]``: its length head's, ``None`` without one) and
+        before its hidden states are projected to logits, whose cost grows with the positions projected; the
+        drafts beyond are never computed. Not asked for a probe."""
+
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
         """Drafts each row verifies, ``[R]``, at most ``drafts.num_drafts`` (`candidate_generator.Drafts`)."""
 
@@ -129,6 +137,9 @@ class PolicyPlan:
 
     def probing(self) -> bool:
         return False
+
+    def projected(self, rows, length_prediction, max_drafts):
+        return max_drafts  # the policy's own lengths cut the projection (`AdaFlashCandidateGenerator._drafts`)
 
     def after_draft(self, rows, drafts):
         return drafts.num_drafts

@@ -52,7 +52,8 @@ class AdaFlashGenerationOptions:
     ngram_nodes (`int`): ``adaflash_ngram_nodes`` (16): most tree nodes the continuations take per row and step,
         within ``tree_budget``.
     verify_layout (`str`): ``adaflash_verify_layout``: ``"auto"`` (measured), ``"linear"`` (the model's own kernel:
-        off), or a kernel always used, ``"transposed"``, ``"onednn"`` or ``"blocked"`` (`verify_layout.py`).
+        off), or a kernel always used, ``"transposed"``, ``"onednn"`` or ``"blocked"`` (`verify_layout.py`), in the
+        target's forwards and the draft head's float32 product (`draft_head.py`).
     decoding_loop (`str`): ``adaflash_decoding_loop``: ``"adaflash"`` (adaflash_hf's batched loop) or
         ``"transformers"`` (transformers' assisted loop driving the candidate generator, batch 1).
     """

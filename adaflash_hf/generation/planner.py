@@ -625,6 +625,7 @@ class VerificationPlanner:
         self.block_size = block_size
         self.length_head = length_head
         self._expected_accepted: torch.Tensor | None = None  # per row of the refined step, for the head's calibration
+        self._head_choice: tuple | None = None  # this step's width from the head, before projection (`projected`)
         self.successes = torch.zeros(batch_size, dtype=torch.float64)
         # tokens each row may still commit (its budget), as of its last step (`before_draft`; until then alike, and
         # more than any step commits)
@@ -697,6 +698,17 @@ class VerificationPlanner:
     def path_nodes(self, cap: int) -> int:
         return min(cap, self._path_nodes)
 
+    def projected(
+        self, rows: list[int], length_prediction: torch.Tensor | None, max_drafts: torch.LongTensor
+    ) -> torch.LongTensor:
+        """With a length head, the width is chosen from the head's predictions (`refine`) before the drafts are
+        projected, and only the drafts it verifies are: the head over the vocabulary costs a few milliseconds for a
+        whole block at batch 1, a sizeable part of a draft, while the width is 2-4 on most steps."""
+        if not self.length_head or length_prediction is None:
+            return max_drafts
+        self._head_choice = self._head_width(rows, length_prediction, max_drafts)
+        return torch.clamp(max_drafts, max=self._head_choice[0] - 1)
+
     def after_draft(self, rows: list[int], drafts) -> torch.LongTensor:
         self._sync()
         self._drafted_at = time.perf_counter()
@@ -719,7 +731,8 @@ class VerificationPlanner:
             return torch.zeros_like(drafts.num_drafts)
         self._read = True
         if self.length_head and drafts.length_prediction is not None:
-            return self.refine(rows, drafts.length_prediction, drafts.num_drafts)
+            choice, self._head_choice = self._head_choice, None
+            return self.refine(rows, drafts.length_prediction, drafts.num_drafts, choice)
         return drafts.num_drafts
 
     def tree_shape(self, num_drafts, room, drafted: int, budget: int) -> tuple[torch.LongTensor, int]:
@@ -1122,11 +1135,12 @@ class VerificationPlanner:
         return any(row not in self._shadows for row in self._shadow_rows)
 
     def refine(
-        self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor
+        self, rows: list[int], length_prediction: torch.Tensor, num_drafts: torch.LongTensor, choice=None
     ) -> torch.LongTensor:
         """The drafts each row verifies once the drafter has run, from its length head's prediction
-        (``length_prediction [R]``: predicted ``(accepted + 1) / block_size``), at most ``num_drafts [R]``."""
-        width, powers = self._head_width(rows, length_prediction, num_drafts)
+        (``length_prediction [R]``: predicted ``(accepted + 1) / block_size``), at most ``num_drafts [R]``;
+        ``choice``: `_head_width`'s, made before the drafts were projected (`projected`)."""
+        width, powers = self._head_width(rows, length_prediction, num_drafts) if choice is None else choice
         if powers is None:
             return torch.clamp(num_drafts, max=width - 1)
         # expected accepted drafts at this width, for the calibration: sum_{j=1}^{w-1} p^j

@@ -41,6 +41,7 @@ PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
 SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
 HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides
 LAYOUT_TRIALS = 2  # timed forwards of each layout per token count (a forward costs about a plain step)
+HEAD_KERNEL_TRIALS = 3  # timed draft-head products of each kernel per position count (each a few milliseconds)
 # A kernel whose timed forward costs this many times the model's own is timed no more for that token count: four
 # kernels' trials of two forwards each are the dearest steps of a pair's first calls (BENCHMARKS.md section 24)
 LAYOUT_DROP = 1.25
@@ -58,6 +59,8 @@ class RuntimeProfile:
         head_dtypes (`MeasuredChoice`): float32 or bfloat16 for the draft head, by (device, head shape, vocabulary).
         layouts (`MeasuredChoice`): the linear kernel of the loop's forwards (``"linear"``, ``"transposed"``,
             ``"onednn"``, ``"blocked"``: `verify_layout.KERNELS`), by `verify_layout.measured_key` of their tokens.
+        head_kernels (`MeasuredChoice`): the same kernels for a float32 draft head's product, by (head, the
+            `verify_layout.measured_key` of its projected positions).
     """
 
     def __init__(self):
@@ -74,6 +77,15 @@ class RuntimeProfile:
             margin=0.9,
             lock=self.lock,
             candidates_for=kernels_for,
+            drop=LAYOUT_DROP,
+        )
+        self.head_kernels = MeasuredChoice(
+            "linear",
+            tuple(KERNELS)[1:],
+            trials=HEAD_KERNEL_TRIALS,
+            margin=0.9,
+            lock=self.lock,
+            candidates_for=lambda key: kernels_for(key[1]),
             drop=LAYOUT_DROP,
         )
         self._cost_tables: dict[tuple[str, str], CostTable] = {}
@@ -107,6 +119,7 @@ class RuntimeProfile:
         with self.lock:
             self.head_dtypes.clear()
             self.layouts.clear()
+            self.head_kernels.clear()
             self._cost_tables.clear()
             self._head_copies.clear()
 
@@ -132,6 +145,7 @@ class RuntimeProfile:
                     [_plain(key), str(dtype).removeprefix("torch.")] for key, dtype in self.head_dtypes.choices.items()
                 ],
                 "layouts": [[_plain(key), layout] for key, layout in self.layouts.choices.items()],
+                "head_kernels": [[_plain(key), kernel] for key, kernel in self.head_kernels.choices.items()],
             }
 
     def load_dict(self, state: dict) -> None:
@@ -158,10 +172,12 @@ class RuntimeProfile:
                 cost.path_acceptance = [float(x) for x in stored]
             for key, dtype in state["head_dtypes"]:
                 self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
-            for key, layout in state["layouts"]:
-                if layout not in self.layouts.options:
-                    raise ValueError(f"unknown layout {layout!r}")
-                self.layouts.choices[_hashable(key)] = layout
+            kernels = state.get("head_kernels", [])  # a profile written before draft heads had kernels holds none
+            for stored, choice in ((state["layouts"], self.layouts), (kernels, self.head_kernels)):
+                for key, layout in stored:
+                    if layout not in choice.options:
+                        raise ValueError(f"unknown layout {layout!r}")
+                    choice.choices[_hashable(key)] = layout
 
     # ------------------------------------------------------------------ the profile file
 
@@ -222,7 +238,7 @@ def _hashable(key):
 
 
 def _decisions(state: dict) -> tuple:
-    return json.dumps(state["head_dtypes"], sort_keys=True), json.dumps(state["layouts"], sort_keys=True)
+    return tuple(json.dumps(state[name], sort_keys=True) for name in ("head_dtypes", "layouts", "head_kernels"))
 
 
 def profile_dir() -> Path | None:

@@ -7,7 +7,9 @@ bound of its rate loses (`planner.START_ON_RATE`, `PROBE_SAMPLES`, `DRAFTING_BOU
 times the planner as shipped, the planner before section 29 (none of the three), optionally the shipped rule without
 the bound and the rule before section 26 (the call's own steps alone), and the head's own policy beside them,
 interleaved with plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1,
-every output asserted identical to plain's:
+every output asserted identical to plain's; and the planner as before section 35, whose drafts were all projected
+to logits in the head's ``linear`` product (``planner before section 35``: the A/B of `VerificationPlanner.projected`
+and the head's measured kernels, `draft_head.py`):
 
     python -m adaflash_demo.bench.rate_prior --domains code,shell,chat --prompts-per-domain 16 --repeats 2
 
@@ -29,6 +31,8 @@ from transformers import GenerationConfig
 from adaflash_hf import record_stats
 from adaflash_hf.chat import render_prompt
 from adaflash_hf.generation import planner as planner_module
+from adaflash_hf.generation.draft_head import DraftHead
+from adaflash_hf.generation.planner import VerificationPlanner
 
 from .ab import load_for_ab, speedup_cell
 
@@ -39,8 +43,15 @@ WITHOUT_BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 0.0}
 BEFORE_29 = {**WITHOUT_BOUND, "START_ON_RATE": False, "PROBE_SAMPLES": False}
 # before section 26: a call judges its drafted steps alone, drafting's rate a fast moving average
 OWN_STEPS_ONLY = {**BEFORE_29, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
+# what section 35 changed, as methods: the chosen drafts projected, in the head's measured kernel
+SECTION_35 = {"projected": VerificationPlanner.projected, "_kernel": DraftHead._kernel}
+BEFORE_35 = {
+    "projected": lambda self, rows, length_prediction, max_drafts: max_drafts,
+    "_kernel": lambda self, dtype, positions: ("linear", None),
+}
 ALL = (
     "planner",
+    "planner before section 35",
     "planner without the bound",
     "planner before section 29",
     "planner on its own steps",
@@ -53,6 +64,7 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
     """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: `DEFAULT`)."""
     every = {
         "planner": ("planned", SHIPPED),
+        "planner before section 35": ("planned", {**SHIPPED, **BEFORE_35}),
         "planner without the bound": ("planned", WITHOUT_BOUND),
         "planner before section 29": ("planned", BEFORE_29),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
@@ -62,6 +74,9 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
 
 
 def _set(constants: dict) -> None:
+    constants = {**SECTION_35, **constants}
+    VerificationPlanner.projected = constants.pop("projected")
+    DraftHead._kernel = constants.pop("_kernel")
     for name, value in constants.items():
         setattr(planner_module, name, value)
 
