@@ -367,3 +367,22 @@ def test_a_pooled_ab_mixes_the_domains_in_every_batch_and_names_each_switchs_val
             (True, True),
             (False, True),
         ]
+
+
+def test_the_projection_ab_switches_the_planners_projection_and_the_heads_kernel_and_restores_them():
+    from adaflash_demo.bench import rate_prior
+    from adaflash_hf.generation.draft_head import DraftHead
+    from adaflash_hf.generation.planner import CostTable, VerificationPlanner
+
+    planner = VerificationPlanner(CostTable(), 16, 1, torch.device("cpu"), length_head=True, probe_first=False)
+    cap = torch.tensor([15])
+    before = rate_prior.variants(["planner before section 35"])["planner before section 35"][1]
+    try:
+        rate_prior._set(before)
+        assert planner.projected([0], torch.tensor([0.1]), cap) is cap  # the whole block projected
+        assert DraftHead._kernel(None, torch.float32, 3) == ("linear", None)
+    finally:
+        rate_prior._set(rate_prior.SHIPPED)
+    assert VerificationPlanner.projected is rate_prior.SECTION_35["projected"]
+    assert DraftHead._kernel is rate_prior.SECTION_35["_kernel"]
+    assert planner.projected([0], torch.tensor([0.1]), cap).tolist() == [1]  # no width measured: one draft
