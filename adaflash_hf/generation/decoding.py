@@ -185,8 +185,8 @@ class SpeculativeDecoding:
 
         def projected(length_prediction):
             verified = plan.projected(row_list, length_prediction, max_drafts)
-            if self.tree is not None and path_nodes:  # a tree's budget holds the paths' tokens, which may sit on
-                verified = torch.minimum(verified + path_nodes, max_drafts)  # the drafter's (`tree_shape`)
+            if self.tree is not None and path_nodes:  # a tree's budget also counts the merged paths' tokens
+                verified = torch.minimum(verified + path_nodes, max_drafts)  # (`tree_shape`), the drafter's may use
             return verified
 
         start = self.recorder.clock()
