@@ -161,10 +161,9 @@ class DraftHead:
             choice.record(self._key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
             return logits
         kernel, key = self._kernel(dtype, hidden.shape[0] * hidden.shape[1])
-        if key is None:
-            with KERNELS[kernel]():
-                return _project(self.head, hidden, dtype, self.vocab, self.profile)
         with KERNELS[kernel]():
+            if key is None:
+                return _project(self.head, hidden, dtype, self.vocab, self.profile)
             logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile)
         self.profile.head_kernels.record(key, kernel, seconds)
         self.timed_kernel = True
