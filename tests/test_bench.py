@@ -371,6 +371,8 @@ def test_a_pooled_ab_mixes_the_domains_in_every_batch_and_names_each_switchs_val
 
 def test_the_projection_ab_switches_the_planners_projection_and_the_heads_kernel_and_restores_them():
     from adaflash_demo.bench import rate_prior
+    from adaflash_demo.bench.kernels import FunctionMode
+    from adaflash_hf.generation import verify_layout
     from adaflash_hf.generation.draft_head import DraftHead
     from adaflash_hf.generation.planner import CostTable, VerificationPlanner
 
@@ -381,8 +383,10 @@ def test_the_projection_ab_switches_the_planners_projection_and_the_heads_kernel
         rate_prior._set(before)
         assert planner.projected([0], torch.tensor([0.1]), cap) is cap  # the whole block projected
         assert DraftHead._kernel(None, torch.float32, 3) == ("linear", None)
+        assert isinstance(verify_layout.routed([], "onednn"), FunctionMode)  # and section 36's routing undone
     finally:
         rate_prior._set(rate_prior.SHIPPED)
-    assert VerificationPlanner.projected is rate_prior.SECTION_35["projected"]
-    assert DraftHead._kernel is rate_prior.SECTION_35["_kernel"]
+    assert VerificationPlanner.projected is rate_prior.METHODS["projected"]
+    assert DraftHead._kernel is rate_prior.METHODS["_kernel"]
+    assert verify_layout.routed is rate_prior.METHODS["routed"]
     assert planner.projected([0], torch.tensor([0.1]), cap).tolist() == [1]  # no width measured: one draft

@@ -179,12 +179,12 @@ def test_the_transposed_layout_returns_what_linear_returns_on_complex_rotary_tar
     assert torch.equal(out, expected)
 
 
-def test_the_rerouted_product_is_laid_out_as_linear():
-    from adaflash_hf.generation.verify_layout import TransposedLinear
+@pytest.mark.parametrize("kernel", ["transposed", "onednn", "blocked"])
+def test_the_rerouted_product_is_laid_out_as_linear(kernel):
+    from adaflash_hf.generation.verify_layout import linear
 
     x, weight = torch.randn(2, 3, 8), torch.randn(6, 8)
-    with TransposedLinear():
-        out = torch.nn.functional.linear(x, weight)
+    out = linear(x, weight, None, kernel)
     assert out.is_contiguous() and out.stride() == torch.nn.functional.linear(x, weight).stride()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
 

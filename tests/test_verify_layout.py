@@ -14,16 +14,9 @@ from adaflash_hf.generation.draft_head import DraftHead
 from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import VerificationPlanner
 from adaflash_hf.generation.profile import LAYOUT_TRIALS, RuntimeProfile, profile_for
-from adaflash_hf.generation.verify_layout import (
-    BLOCK_ROWS,
-    KERNELS,
-    BlockedLinear,
-    OneDNNLinear,
-    TransposedLinear,
-    VerifyLayout,
-)
+from adaflash_hf.generation.verify_layout import BLOCK_ROWS, KERNELS, VerifyLayout, linear, routed, routed_linears
 
-ROUTED = [TransposedLinear, OneDNNLinear, BlockedLinear]
+ROUTED = [name for name, product in KERNELS.items() if product is not None]
 
 
 @pytest.mark.parametrize("kernel", ROUTED)
@@ -33,65 +26,85 @@ ROUTED = [TransposedLinear, OneDNNLinear, BlockedLinear]
 @pytest.mark.parametrize("rows", [24, 2 * BLOCK_ROWS, 3 * BLOCK_ROWS + 5])
 def test_every_kernel_computes_linear(kernel, shape, with_bias, rows):
     torch.manual_seed(0)
-    x, weight = torch.randn(*shape), torch.randn(rows, 16)
-    bias = torch.randn(rows) if with_bias else None
-    with kernel():
-        out = torch.nn.functional.linear(x, weight, bias)
-        by_keyword = torch.nn.functional.linear(x, weight=weight, bias=bias)
-    expected = torch.nn.functional.linear(x, weight, bias)
-    assert out.shape == expected.shape == by_keyword.shape
+    layer = torch.nn.Linear(16, rows, bias=with_bias)
+    x = torch.randn(*shape)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    out = linear(x, layer.weight, layer.bias, kernel)
+    with routed(routed_linears(layer), kernel):
+        through_the_layer = layer(x)
+    assert out.shape == expected.shape == through_the_layer.shape and out.is_contiguous()
     torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(by_keyword, expected)
+    assert torch.equal(through_the_layer, out)  # the routed layer runs exactly this product
     # a different summation order, not a different computation: the loop relies on this being the same product
     torch.testing.assert_close(
-        out, (weight @ x.reshape(-1, 16).T).T.reshape(expected.shape) + (0 if bias is None else bias)
+        out, (layer.weight @ x.reshape(-1, 16).T).T.reshape(expected.shape) + (0 if not with_bias else layer.bias)
     )
 
 
 def test_the_blocked_kernel_takes_a_weight_it_cannot_view_in_blocks_as_linear_does():
     torch.manual_seed(0)
     x, weight = torch.randn(4, 3 * BLOCK_ROWS), torch.randn(3 * BLOCK_ROWS, 3 * BLOCK_ROWS).t()  # not contiguous
-    with BlockedLinear():
-        out = torch.nn.functional.linear(x, weight)
+    out = linear(x, weight, None, "blocked")
     assert torch.equal(out, torch.nn.functional.linear(x, weight)) and out.is_contiguous()
 
 
-def test_transposed_layout_leaves_other_dtypes_alone():
+def test_kernels_leave_other_dtypes_and_other_layers_alone(monkeypatch):
     x, weight = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
-    with TransposedLinear():
-        out = torch.nn.functional.linear(x, weight)
-    assert torch.equal(out, torch.nn.functional.linear(x, weight))  # bit for bit: the call ran unchanged
+    assert torch.equal(linear(x, weight, None, "transposed"), torch.nn.functional.linear(x, weight))  # bit for bit
+    calls = []
+    monkeypatch.setitem(KERNELS, "transposed", lambda flat, w: calls.append(w) or torch.mm(w, flat.t()).t())
+
+    class Scaled(torch.nn.Linear):  # a subclass with its own forward computes what it says, not a bare product
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 16), torch.nn.Linear(16, 16).to(torch.bfloat16), Scaled(16, 16), torch.nn.Linear(16, 8)
+    )
+    wrapped = model[3]
+    wrapped.forward = lambda x, layer=wrapped: torch.nn.Linear.forward(layer, x)  # as a hook library wraps a layer
+    assert routed_linears(model) == [model[0], model[3]]
+    with routed(routed_linears(model), "transposed"):
+        assert "forward" in model[0].__dict__ and model[3].forward is not None
+        model[0](torch.randn(3, 16))
+        model[2](torch.randn(3, 16))
+        model[3](torch.randn(3, 16))
+    assert [w is model[0].weight for w in calls] == [True]  # the wrapped layer kept its own forward
+    assert "forward" not in model[0].__dict__ and "forward" in model[3].__dict__  # each left as it was found
+
+
+def test_a_routed_layer_is_restored_when_the_forward_fails():
+    layer = torch.nn.Linear(16, 8)
+    with pytest.raises(RuntimeError), routed(routed_linears(layer), "onednn"):
+        layer(torch.randn(3, 5))
+    assert "forward" not in layer.__dict__
+    with routed(routed_linears(layer), "linear"):
+        assert "forward" not in layer.__dict__  # the model's own kernel: nothing to reroute
 
 
 def test_the_layout_reroutes_only_the_thread_that_entered_it(monkeypatch):
     # a server may run plain generate() in one thread while another verifies: only the verifying thread is rerouted
     import threading
 
-    routed = []
-    original = TransposedLinear.__torch_function__
-
-    def spy(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear:
-            routed.append(threading.get_ident())
-        return original(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(TransposedLinear, "__torch_function__", spy)
-    x, weight = torch.randn(3, 16), torch.randn(24, 16)
+    calls = []
+    monkeypatch.setitem(KERNELS, "transposed", lambda flat, w: calls.append(threading.get_ident()) or flat @ w.t())
+    layer = torch.nn.Linear(16, 24)
+    x = torch.randn(3, 16)
     inside, done = threading.Event(), threading.Event()
 
     def verifying():
-        with TransposedLinear():
-            torch.nn.functional.linear(x, weight)
+        with routed(routed_linears(layer), "transposed"):
+            layer(x)
             inside.set()
-            done.wait(timeout=30)  # stays inside the mode while the other thread computes
+            done.wait(timeout=30)  # stays routed while the other thread computes
 
     thread = threading.Thread(target=verifying)
     thread.start()
     assert inside.wait(timeout=30)
-    torch.nn.functional.linear(x, weight)  # this thread, while the other one is inside the mode
+    layer(x)  # this thread, while the other one is routing the layer
     done.set()
     thread.join()
-    assert routed == [thread.ident]
+    assert calls == [thread.ident]
 
 
 def test_measured_choice_alternates_and_keeps_the_candidate_only_when_clearly_faster():
@@ -232,13 +245,13 @@ def test_greedy_output_is_identical_with_every_kernel(monkeypatch, name, batch, 
     reference = target.generate(ids, attention_mask=mask, generation_config=config)
     unpadded = [row[ids.shape[1] - len(p) :] for row, p in zip(reference.tolist(), prompts)]
     rerouted = []
-    original = verify_layout._RoutedLinear.__torch_function__
+    original = verify_layout._routed_forward
 
-    def spy(self, func, types, args=(), kwargs=None):
-        rerouted.append(func is torch.nn.functional.linear)
-        return original(self, func, types, args, kwargs)
+    def spy(module, kernel, thread, x):
+        rerouted.append(kernel)
+        return original(module, kernel, thread, x)
 
-    monkeypatch.setattr(verify_layout._RoutedLinear, "__torch_function__", spy)
+    monkeypatch.setattr(verify_layout, "_routed_forward", spy)
     config.adaflash_verify_layout = name
     # blocks of 2 at batch 3 and of 4 at batch 1 verify 2-7 tokens a forward; the oracle's corrupted drafts make
     # rejections, so the loop crops and continues from every accepted length

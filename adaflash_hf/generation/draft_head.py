@@ -41,7 +41,7 @@ import torch
 
 from ..draft_vocab_rows import full_vocab_logits, vocab_ids, vocab_rows
 from .profile import RuntimeProfile
-from .verify_layout import KERNELS, measured_key
+from .verify_layout import linear, measured_key
 
 DRAFT_HEAD_CHOICES = ("auto", "same")
 
@@ -73,18 +73,26 @@ class _Vocab:
 
 
 def _project(
-    head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, vocab: _Vocab | None, profile: RuntimeProfile
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    dtype: torch.dtype,
+    vocab: _Vocab | None,
+    profile: RuntimeProfile,
+    kernel: str = "linear",
 ) -> torch.Tensor:
-    """Float32 logits over the whole vocabulary (``-inf`` outside ``vocab`` when given); a copy of the weight in
-    another dtype or of its vocabulary rows is the profile's."""
+    """Float32 logits over the whole vocabulary (``-inf`` outside ``vocab`` when given), the product computed by
+    ``kernel`` (`verify_layout.KERNELS`); a copy of the weight in another dtype or of its vocabulary rows is the
+    profile's."""
     weight = head.weight
     if dtype == weight.dtype and vocab is None:
-        return head(hidden.to(weight.device, weight.dtype)).float()
+        if kernel == "linear" or type(head).forward is not torch.nn.Linear.forward:
+            return head(hidden.to(weight.device, weight.dtype)).float()
+        return linear(hidden.to(weight.device, weight.dtype), weight, head.bias, kernel).float()
     bias = head.bias
     if bias is not None:
         bias = (bias if vocab is None else vocab_rows(bias, vocab.ids)).to(dtype)
     copy = _weight_copy(weight, dtype, vocab, profile)
-    logits = torch.nn.functional.linear(hidden.to(weight.device, dtype), copy, bias).float()
+    logits = linear(hidden.to(weight.device, dtype), copy, bias, kernel).float()
     if vocab is None:
         return logits
     return full_vocab_logits(logits, vocab.ids, weight.shape[0])
@@ -94,12 +102,12 @@ def _weight_copy(weight, dtype, vocab: _Vocab | None, profile: RuntimeProfile) -
     return profile.head_copy(weight, dtype, None if vocab is None else vocab.ids, None if vocab is None else vocab.key)
 
 
-def _timed(head, hidden, dtype, vocab, profile) -> tuple[torch.Tensor, float]:
+def _timed(head, hidden, dtype, vocab, profile, kernel: str = "linear") -> tuple[torch.Tensor, float]:
     """Projects and returns the logits with the seconds it took (device-synchronised)."""
     sync = torch.cuda.synchronize if head.weight.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    logits = _project(head, hidden, dtype, vocab, profile)
+    logits = _project(head, hidden, dtype, vocab, profile, kernel)
     sync()
     return logits, time.perf_counter() - start
 
@@ -161,10 +169,9 @@ class DraftHead:
             choice.record(self._key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
             return logits
         kernel, key = self._kernel(dtype, hidden.shape[0] * hidden.shape[1])
-        with KERNELS[kernel]():
-            if key is None:
-                return _project(self.head, hidden, dtype, self.vocab, self.profile)
-            logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile)
+        if key is None:
+            return _project(self.head, hidden, dtype, self.vocab, self.profile, kernel)
+        logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile, kernel)
         self.profile.head_kernels.record(key, kernel, seconds)
         self.timed_kernel = True
         return logits

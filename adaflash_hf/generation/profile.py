@@ -36,7 +36,8 @@ from .measured import MeasuredChoice
 from .planner import CostTable
 from .verify_layout import KERNELS, kernels_for
 
-PROFILE_FORMAT = 3  # 3: verification kernels measured among four (format 2 knew three, format 1 two)
+# 4: kernels reroute the linear layers only (their costs and the steps' prices changed); 3: four kernels; 2: three
+PROFILE_FORMAT = 4
 PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
 SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
 HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides

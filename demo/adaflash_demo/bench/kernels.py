@@ -10,14 +10,16 @@ that rotates), as a median relative to a plain step (``k = 1``, ``linear``) time
 prints the roofline: ``max(1, flops(k) / peak / plain step)`` plain steps, the arithmetic at the GEMM peak these
 threads reach on a large product (timed here too), the memory side being the plain step itself.
 
-A length of 1 times the plain step itself with each kernel (would one speed up plain decoding?). ``--compile`` adds
-a column for the whole forward compiled by ``torch.compile`` (inductor, dynamic shapes, so that one compilation
-serves every token count and context length), reporting what the compilation cost; it is a measurement only: the
-compiled forward fuses the normalisations, rotary embeddings and attention too, so its logits are not those of the
-model's own one-token step.
+A length of 1 times the plain step itself with each kernel (would one speed up plain decoding?). The kernels reroute
+the target's linear layers as the loop does (`verify_layout.routed`); ``--function-mode`` adds each kernel rerouted
+from a `TorchFunctionMode` as the loop did before BENCHMARKS.md section 36 (``linear+mode``: the mode alone).
+``--compile`` adds a column for the whole forward compiled by ``torch.compile`` (inductor, dynamic shapes, so that
+one compilation serves every token count and context length), reporting what the compilation cost; it is a
+measurement only: the compiled forward fuses the normalisations, rotary embeddings and attention too, so its logits
+are not those of the model's own one-token step.
 
     python -m adaflash_demo.bench.kernels --batch-sizes 1,8 --lengths 1,2,3,4,8,16 [--threads 2] [--compile]
-        [--json kernels.json]
+        [--function-mode] [--json kernels.json]
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import sys
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache
 
-from adaflash_hf.generation.verify_layout import KERNELS
+from adaflash_hf.generation.verify_layout import KERNELS, linear, routed, routed_linears
 from adaflash_hf.machine import machine_info, machine_summary
 from adaflash_hf.utils import write_json_atomic
 
@@ -59,12 +62,40 @@ def linear_params(model) -> int:
 
 
 COMPILED = "compiled"  # the `--compile` column's name
+MODE_SUFFIX = "+mode"  # `--function-mode` columns: a kernel rerouted by a `FunctionMode`
+
+
+class FunctionMode(TorchFunctionMode):
+    """Reroutes every ``linear`` of a forward through a `KERNELS` product from a `TorchFunctionMode`, as the loop did
+    before BENCHMARKS.md section 36: the mode sees every torch call of the forward, not only the linear ones."""
+
+    def __init__(self, kernel: str):
+        super().__init__()
+        self.kernel = kernel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return linear(args[0], weight, bias, self.kernel)
+        return func(*args, **kwargs)
+
+
+def kernel_context(target, kernel: str, linears=None):
+    """The context a forward of ``target`` runs ``kernel`` in: `routed` (the loop's), or `FunctionMode` for a name
+    ending in `MODE_SUFFIX`."""
+    if kernel.endswith(MODE_SUFFIX):
+        return FunctionMode(kernel.removesuffix(MODE_SUFFIX))
+    return routed(routed_linears(target) if linears is None else linears, kernel)
 
 
 @torch.no_grad()
 def measure(target, batch: int, lengths, context: int, repeats: int, kernels=tuple(KERNELS), compiled=None) -> dict:
     """``{"plain_ms": ..., k: {kernel: forward ms / plain step}}`` for one batch size, interleaved rounds; a kernel
-    named `COMPILED` runs the forward through `compiled` (the target compiled) instead of a `KERNELS` mode."""
+    named `COMPILED` runs the forward through `compiled` (the target compiled), one ending in `MODE_SUFFIX` through a
+    `FunctionMode`."""
+    linears = routed_linears(target)
     vocab = target.config.vocab_size
     cache = DynamicCache(config=target.config)
     target(input_ids=torch.randint(100, vocab - 100, (batch, context)), cache=cache, use_cache=True)
@@ -75,9 +106,12 @@ def measure(target, batch: int, lengths, context: int, repeats: int, kernels=tup
         for k, kernel in cases[shift:] + cases[:shift]:
             ids = torch.randint(100, vocab - 100, (batch, k))
             positions = torch.arange(context, context + k).expand(batch, k)
-            model, mode = (compiled, contextlib.nullcontext) if kernel == COMPILED else (target, KERNELS[kernel])
+            if kernel == COMPILED:
+                model, mode = compiled, contextlib.nullcontext()
+            else:
+                model, mode = target, kernel_context(target, kernel, linears)
             start = time.perf_counter()
-            with mode():
+            with mode:
                 model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
             if round_:
                 times[(k, kernel)].append(time.perf_counter() - start)
@@ -110,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the peak is measured on as many)")
     parser.add_argument("--compile", action="store_true", help="add the forward compiled by torch.compile")
+    parser.add_argument(
+        "--function-mode",
+        action="store_true",
+        help="add each kernel rerouted by a TorchFunctionMode (the loop's way before BENCHMARKS.md section 36)",
+    )
     parser.add_argument("--json", help="write the machine and the table here")
     args = parser.parse_args(argv)
     from ..smollm2 import TARGET_NAME, load_target
@@ -123,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine_summary(machine)}\ntarget: {TARGET_NAME}, {params / 1e6:.0f}M linear parameters")
     print(f"float32 GEMM peak of {args.threads} thread(s) (1024^3 product): {peak:.0f} GFLOP/s", file=sys.stderr)
     kernels, compiled, compile_s = tuple(KERNELS), None, None
+    if args.function_mode:
+        kernels += tuple(name + MODE_SUFFIX for name in KERNELS)
     if args.compile:
         compiled, compile_s = compile_forward(target, max(int(b) for b in args.batch_sizes.split(",")))
         kernels += (COMPILED,)

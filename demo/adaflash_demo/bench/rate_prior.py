@@ -9,7 +9,8 @@ the bound and the rule before section 26 (the call's own steps alone), and the h
 interleaved with plain ``generate()`` call by call (the order rotating), on the real target, float32 greedy, batch 1,
 every output asserted identical to plain's; and the planner as before section 35, whose drafts were all projected
 to logits in the head's ``linear`` product (``planner before section 35``: the A/B of `VerificationPlanner.projected`
-and the head's measured kernels, `draft_head.py`):
+and the head's measured kernels, `draft_head.py`); and the planner as before section 36, whose forwards rerouted the
+target's linear layers from a `TorchFunctionMode` (``planner before section 36``: the A/B of `verify_layout.routed`):
 
     python -m adaflash_demo.bench.rate_prior --domains code,shell,chat --prompts-per-domain 16 --repeats 2
 
@@ -21,6 +22,7 @@ runtime profile, which starts empty unless ``ADAFLASH_HF_PROFILE_DIR`` holds one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import time
@@ -31,10 +33,12 @@ from transformers import GenerationConfig
 from adaflash_hf import record_stats
 from adaflash_hf.chat import render_prompt
 from adaflash_hf.generation import planner as planner_module
+from adaflash_hf.generation import verify_layout
 from adaflash_hf.generation.draft_head import DraftHead
 from adaflash_hf.generation.planner import VerificationPlanner
 
 from .ab import load_for_ab, speedup_cell
+from .kernels import FunctionMode
 
 CONSTANTS = ("RATE_PRIOR_STEPS", "DRAFTED_EMA", "DRAFTING_BOUND_Z", "PROBE_SAMPLES", "START_ON_RATE")
 SHIPPED = {name: getattr(planner_module, name) for name in CONSTANTS}
@@ -43,14 +47,19 @@ WITHOUT_BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 0.0}
 BEFORE_29 = {**WITHOUT_BOUND, "START_ON_RATE": False, "PROBE_SAMPLES": False}
 # before section 26: a call judges its drafted steps alone, drafting's rate a fast moving average
 OWN_STEPS_ONLY = {**BEFORE_29, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
-# what section 35 changed, as methods: the chosen drafts projected, in the head's measured kernel
-SECTION_35 = {"projected": VerificationPlanner.projected, "_kernel": DraftHead._kernel}
+# what sections 35 and 36 changed, as functions: the chosen drafts projected, in the head's measured kernel (35);
+# the target's linear layers rerouted one by one, not by a mode that sees every torch call (36)
+METHODS = {"projected": VerificationPlanner.projected, "_kernel": DraftHead._kernel, "routed": verify_layout.routed}
 BEFORE_35 = {
     "projected": lambda self, rows, length_prediction, max_drafts: max_drafts,
     "_kernel": lambda self, dtype, positions: ("linear", None),
 }
+BEFORE_36 = {
+    "routed": lambda linears, kernel: contextlib.nullcontext() if kernel == "linear" else FunctionMode(kernel),
+}
 ALL = (
     "planner",
+    "planner before section 36",
     "planner before section 35",
     "planner without the bound",
     "planner before section 29",
@@ -64,7 +73,8 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
     """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: `DEFAULT`)."""
     every = {
         "planner": ("planned", SHIPPED),
-        "planner before section 35": ("planned", {**SHIPPED, **BEFORE_35}),
+        "planner before section 36": ("planned", {**SHIPPED, **BEFORE_36}),
+        "planner before section 35": ("planned", {**SHIPPED, **BEFORE_36, **BEFORE_35}),
         "planner without the bound": ("planned", WITHOUT_BOUND),
         "planner before section 29": ("planned", BEFORE_29),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
@@ -74,9 +84,10 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
 
 
 def _set(constants: dict) -> None:
-    constants = {**SECTION_35, **constants}
+    constants = {**METHODS, **constants}
     VerificationPlanner.projected = constants.pop("projected")
     DraftHead._kernel = constants.pop("_kernel")
+    verify_layout.routed = constants.pop("routed")
     for name, value in constants.items():
         setattr(planner_module, name, value)
 
