@@ -161,14 +161,15 @@ def routed(linears: list[torch.nn.Linear], kernel: str):
         return
     thread, installed = threading.get_ident(), []
     for module in linears:
-        if "forward" not in module.__dict__:
-            module.forward = functools.partial(_routed_forward, module, kernel, thread)
-            installed.append(module)
+        attributes = module.__dict__  # directly: `Module.__setattr__` costs a forward of 200 layers a millisecond
+        if "forward" not in attributes:
+            attributes["forward"] = functools.partial(_routed_forward, module, kernel, thread)
+            installed.append(attributes)
     try:
         yield
     finally:
-        for module in installed:
-            del module.forward
+        for attributes in installed:
+            del attributes["forward"]
 
 
 class VerifyLayout:
