@@ -82,12 +82,12 @@ class FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def kernel_context(target, kernel: str, linears=None):
-    """The context a forward of ``target`` runs ``kernel`` in: `routed` (the loop's), or `FunctionMode` for a name
-    ending in `MODE_SUFFIX`."""
+def kernel_context(linears, kernel: str):
+    """The context a forward through ``linears`` (`routed_linears`) runs ``kernel`` in: `routed` (the loop's), or
+    `FunctionMode` for a name ending in `MODE_SUFFIX`."""
     if kernel.endswith(MODE_SUFFIX):
         return FunctionMode(kernel.removesuffix(MODE_SUFFIX))
-    return routed(routed_linears(target) if linears is None else linears, kernel)
+    return routed(linears, kernel)
 
 
 @torch.no_grad()
@@ -109,7 +109,7 @@ def measure(target, batch: int, lengths, context: int, repeats: int, kernels=tup
             if kernel == COMPILED:
                 model, mode = compiled, contextlib.nullcontext()
             else:
-                model, mode = target, kernel_context(target, kernel, linears)
+                model, mode = target, kernel_context(linears, kernel)
             start = time.perf_counter()
             with mode:
                 model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=k)
