@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import tiny_drafter, tiny_target
 
+import adaflash_hf
 from adaflash_demo.bench.harness import METHODS, run_benchmark, speedup_interval
 from adaflash_demo.bench.step_trace import step_line
 from adaflash_hf.generation.profile import profile_for
@@ -41,8 +42,10 @@ def test_harness_records_every_usable_method(word_tokenizer):
         assert record.tokens_per_s > 0 and not math.isnan(record.speedup)
         assert record.calls == 4 // record.batch_size  # every batch of the domain timed once
         assert record.speedup_low <= record.speedup <= record.speedup_high
+        assert 0 < record.prefill_seconds < record.seconds
+        assert record.decode_speedup_low <= record.decode_speedup <= record.decode_speedup_high
     plain = next(r for r in records if r.method == "plain" and r.batch_size == 1)
-    assert plain.speedup == 1.0 and abs(plain.mean_acceptance_length - 1.0) < 1e-9
+    assert plain.speedup == 1.0 and abs(plain.mean_acceptance_length - 1.0) < 1e-9 and plain.decode_speedup == 1.0
     fixed = next(r for r in records if r.method == "adaflash_fixed" and r.batch_size == 1)
     assert fixed.verified_per_emitted > 2  # a random drafter: 8 tokens verified per step, ~1 emitted
     assert fixed.padding_fraction == 0.0 and math.isnan(plain.padding_fraction)  # one row pads nothing
@@ -64,6 +67,30 @@ def test_harness_records_every_usable_method(word_tokenizer):
             assert kinds and set(kinds) <= {"plain", "probe", "drafted", "paths"}
             # every token but each row's first (the prefill's) was committed by one of the steps
             assert sum(entry["emitted_tokens"] for entry in kinds.values()) == record.emitted_tokens - 4
+
+
+def test_prompts_read_in_groups_are_prefill_not_verification(monkeypatch, word_tokenizer):
+    """The forward counter leaves every forward that reads a prompt out of the verification counts, however many
+    forwards the loop reads it in (`adaflash_prefill`), and times them all as the prefill."""
+    from adaflash_demo.bench.harness import ForwardCounter, method_config
+    from adaflash_hf.generation import prefill
+
+    monkeypatch.setattr(prefill, "FORWARD_TOKENS", 0)
+    target = tiny_target()
+    target.generation_config.pad_token_id = 2
+    drafter = tiny_drafter(target)
+    word_tokenizer.padding_side = "left"
+    inputs = word_tokenizer(["a long prompt of many words here", "ab"], return_tensors="pt", padding=True)
+    counter = ForwardCounter(target)
+    for mode, forwards in (("ragged", 2), ("padded", 1)):
+        config, kwargs = method_config(target, "adaflash_fixed", 6, drafter)
+        config.adaflash_prefill = mode
+        with counter.counting(), adaflash_hf.record_stats() as stats:
+            target.generate(**inputs, generation_config=config, **kwargs)
+        assert stats.calls[0].prefill_forwards == forwards
+        assert counter.row_forwards == sum(len(step.rows) for step in stats.steps)
+        assert counter.processed_tokens == sum(len(step.rows) * step.verify_width for step in stats.steps)
+        assert 0 < counter.prefill_seconds
 
 
 def test_report_table_and_plots(tmp_path, word_tokenizer):

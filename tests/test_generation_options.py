@@ -67,4 +67,4 @@ def test_settings_the_transformers_loop_cannot_honour_are_refused(drafter):
 def test_the_listed_names_are_exactly_the_fields():
     names = AdaFlashGenerationOptions.attribute_names()
     assert "adaflash_length_policy" in names and "adaflash_adapter_names" in names
-    assert all(name.startswith("adaflash_") for name in names) and len(names) == len(set(names)) == 15
+    assert all(name.startswith("adaflash_") for name in names) and len(names) == len(set(names)) == 16

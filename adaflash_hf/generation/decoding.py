@@ -13,6 +13,10 @@ Batch > 1 (ragged acceptance): rows verify different numbers of tokens, padded t
 position ids, so every row computes exactly what it would compute alone. Rows that finish leave the batch and stop
 costing compute.
 
+The prompt is read in one forward over the padded batch, as plain decoding reads it, or, on a CPU where the prompts'
+lengths differ enough, in groups of rows of similar length laid out as that forward would have (`prefill.py`,
+``adaflash_prefill``).
+
 Stopping is exact: a step's committed tokens are cut at EOS, at the token budget and at the first token where any
 other stopping criterion (stop strings, max time, custom criteria) fires, as plain decoding would have stopped there.
 Criteria and ids-dependent logits processors are called with the whole batch, as plain decoding calls them.
@@ -34,6 +38,7 @@ from .candidate_generator import AdaFlashCandidateGenerator, PathProposer
 from .checks import check_call
 from .options import AdaFlashGenerationOptions
 from .planner import step_plan
+from .prefill import groups, ragged_applies, ragged_prefill
 from .processing import process_positions
 from .profile import profile_for
 from .stats import CallRecorder
@@ -78,6 +83,7 @@ class SpeculativeDecoding:
         self.hidden_layers = self.generator.model_kwargs_overrides["output_hidden_states"]
         self.cache = TargetCache(model_kwargs["cache"])
         self.attention_mask = model_kwargs.get("attention_mask")
+        self.prefill_mode = options.prefill
         self.position_ids = model_kwargs.get("position_ids")
 
         batch, prompt_len = input_ids.shape
@@ -141,15 +147,36 @@ class SpeculativeDecoding:
         if positions is None:
             positions = _prefill_positions(self.attention_mask, batch, length, self.sequences.device)
         positions = positions[:, cached:]
-        outputs = self.target(
-            input_ids=self.sequences[:, cached:length],
-            attention_mask=self.attention_mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=self.hidden_layers,
-            logits_to_keep=1,
-        )
+        start = self.recorder.clock()
+        features = self.generator.context_features
+        if ragged_applies(self.prefill_mode, cache, self.attention_mask, self.returns_cache, self.sequences.device):
+            spans = groups(self.attention_mask.sum(-1).tolist())
+        else:
+            spans = None
+        if spans is not None and len(spans) > 1:
+            logits, context = ragged_prefill(
+                self.target,
+                self.sequences[:, :length],
+                self.attention_mask,
+                positions,
+                cache,
+                self.hidden_layers,
+                features,
+                spans,
+            )
+        else:
+            spans = [range(batch)]
+            outputs = self.target(
+                input_ids=self.sequences[:, cached:length],
+                attention_mask=self.attention_mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                output_hidden_states=self.hidden_layers,
+                logits_to_keep=1,
+            )
+            logits, context = outputs.logits, features(outputs.hidden_states)
+        self.recorder.prefilled(len(spans), self.recorder.clock() - start)
         if cache.get_seq_length() != length:
             # Older modeling code (openai-gpt, ...) accepts a cache and ignores it, so plain decoding re-reads the
             # whole sequence each step while verification would see the drafts without their context; others add
@@ -160,7 +187,7 @@ class SpeculativeDecoding:
                 "AdaFlash decoding verifies drafts against a cache of one column per token. Generate without "
                 "assistant_model."
             )
-        raw = outputs.logits[:, -1:].float()
+        raw = logits[:, -1:].float()
         processed, first = process_positions(
             self.processors, self.sequences, self.lengths, raw.clone(), choose=self.generator.choose
         )
@@ -168,7 +195,7 @@ class SpeculativeDecoding:
         # The drafter reads the target features of the new prompt tokens only; a cached prefix has none. Drafts may
         # be worse for it; the output is not, since the target verifies every token.
         valid = None if self.attention_mask is None else self.attention_mask[:, cached:].bool()
-        self.generator.add_context(self.generator.context_features(outputs.hidden_states), positions, valid)
+        self.generator.add_context(context, positions, valid)
         self.next_positions = positions[:, -1] + 1
         self.commit(first, torch.ones(batch, dtype=torch.long, device=first.device), processed, raw, width=1)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from .draft_head import resolve_dtype_name
 from .length_policy import LengthPolicy
+from .prefill import PREFILL_MODES
 from .verify_layout import VERIFY_LAYOUTS
 
 PREFIX = "adaflash_"
@@ -54,6 +55,10 @@ class AdaFlashGenerationOptions:
     verify_layout (`str`): ``adaflash_verify_layout``: ``"auto"`` (measured), ``"linear"`` (the model's own kernel:
         off), or a kernel always used, ``"transposed"``, ``"onednn"`` or ``"blocked"`` (`verify_layout.py`), in the
         target's forwards and the draft head's float32 product (`draft_head.py`).
+    prefill (`str`): ``adaflash_prefill``: how the prompt is read: ``"auto"`` (in groups of rows of similar length
+        on a CPU when that saves more padding than the extra forwards cost, `prefill.py`; one padded forward
+        elsewhere), ``"ragged"`` (groups on any device, same rule) or ``"padded"`` (one forward over the padded batch,
+        as plain decoding).
     decoding_loop (`str`): ``adaflash_decoding_loop``: ``"adaflash"`` (adaflash_hf's batched loop) or
         ``"transformers"`` (transformers' assisted loop driving the candidate generator, batch 1).
     """
@@ -69,6 +74,7 @@ class AdaFlashGenerationOptions:
     ngram_continuations: int = 2
     ngram_nodes: int = 16
     verify_layout: str = "auto"
+    prefill: str = "auto"
     decoding_loop: str = "adaflash"
 
     @classmethod
@@ -136,6 +142,12 @@ class AdaFlashGenerationOptions:
                 f"adaflash_verify_layout={layout!r} is not one of {', '.join(map(repr, VERIFY_LAYOUTS))} ('auto' "
                 "measures which kernel verifies a few tokens fastest on this machine; 'linear' turns that off)"
             )
+        prefill = given.get(PREFIX + "prefill", "auto")
+        if prefill not in PREFILL_MODES:
+            problems.append(
+                f"adaflash_prefill={prefill!r} is not one of {', '.join(map(repr, PREFILL_MODES))} ('padded' reads "
+                "the prompt in one forward over the padded batch, as plain decoding does)"
+            )
         head_dtype = "auto"
         try:
             head_dtype = resolve_dtype_name(given.get(PREFIX + "draft_head_dtype"))
@@ -176,6 +188,7 @@ class AdaFlashGenerationOptions:
             ngram=ngram,
             **sizes,
             verify_layout=layout,
+            prefill=prefill,
             decoding_loop=loop,
         )
 

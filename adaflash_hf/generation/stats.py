@@ -63,14 +63,17 @@ class StepRecord:
 
 @dataclass
 class CallRecord:
-    """One generate() call: its batch size, its steps, and the runtime profile it used (``profile``: the profile
+    """One generate() call: its batch size, its steps, the runtime profile it used (``profile``: the profile
     file, ``None`` when profiles are kept in memory only; ``profile_loaded``: whether the call started from the
-    file's measurements, `profile.py`)."""
+    file's measurements, `profile.py`), and how its prompt was read (``prefill_forwards``: 1 for one forward over
+    the padded batch, more for rows read in groups, `prefill.py`; ``prefill_time_s``: their wall time)."""
 
     batch_size: int
     steps: list[StepRecord] = field(default_factory=list)
     profile: str | None = None
     profile_loaded: bool = False
+    prefill_forwards: int = 0
+    prefill_time_s: float = 0.0
 
     def row(self, index: int) -> dict:
         """Per-row figures: verification steps, emitted tokens, mean acceptance length."""
@@ -212,6 +215,11 @@ class CallRecorder:
     def add(self, **record) -> None:
         if self.active:
             self.call.steps.append(StepRecord(**record))
+
+    def prefilled(self, forwards: int, seconds: float) -> None:
+        """Notes how the prompt was read: in how many forwards, in how long."""
+        if self.active:
+            self.call.prefill_forwards, self.call.prefill_time_s = forwards, seconds
 
     def uses(self, profile) -> None:
         """Notes the runtime profile the call uses."""

@@ -78,6 +78,13 @@ class BenchRecord:
     # steps, tokens, seconds and the planner's predicted seconds and tokens, summed over the cell's calls (where the
     # time went, and how well the planner priced it)
     steps_by_kind: dict = field(default_factory=dict)
+    # the calls' time reading their prompts (`ForwardCounter`), and the speedup of the rest (the decoding after the
+    # prefill) with its 95% interval: a padded batch's prefill is most of a short call's time at batch 32, the same
+    # work for every method unless the loop reads the prompt in groups (`adaflash_prefill`)
+    prefill_seconds: float = float("nan")
+    decode_speedup: float = float("nan")
+    decode_speedup_low: float = float("nan")
+    decode_speedup_high: float = float("nan")
 
 
 @dataclass
@@ -91,6 +98,8 @@ class _Tally:
     real_verified: int = 0  # our loop: tokens rows really verified (anchor + drafts, or tree nodes)
     padded_verified: int = 0  # our loop: rows x width over its steps
     calls: list = field(default_factory=list)  # (tokens, seconds) of each timed call, in the group's batch order
+    decode_calls: list = field(default_factory=list)  # (tokens, seconds after the prefill) of the same calls
+    prefill_seconds: float = 0.0
     accepted: int = 0  # our loop: drafts accepted
     copied: int = 0  # adaflash_ngram: of them, proposed by n-gram paths
     merged: bool = False  # a step of adaflash_ngram ran
@@ -98,34 +107,52 @@ class _Tally:
 
 
 class ForwardCounter:
-    """Counts the target's forwards, the batch rows they serve and the tokens they process (a hook, no patch).
+    """Counts the target's forwards, the batch rows they serve and the tokens they process, and times the prompt's
+    forwards (hooks, no patch: wrapping the forward would hide its signature from transformers' checks).
 
-    The first forward of a call is the prefill; it is left out of every figure.
+    A forward that starts from an empty cache reads a prompt (the prefill: one forward over the padded batch, or
+    several over groups of rows, `adaflash_hf.generation.prefill`); those are left out of the counts, and
+    `prefill_seconds` is their wall time.
     """
 
     def __init__(self, model):
-        self.model, self.sizes = model, []
+        self.model, self.sizes, self.prefill_seconds = model, [], 0.0
+        self._started = None
 
-    def _hook(self, module, args, kwargs):
+    def _before(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self.sizes.append(ids.shape)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        prefill = cache is None or cache.get_seq_length() == 0
+        if prefill:
+            self._started = time.perf_counter()
+        else:
+            self.sizes.append(ids.shape)
+
+    def _after(self, module, args, output):
+        if self._started is not None:
+            self.prefill_seconds += time.perf_counter() - self._started
+            self._started = None
 
     @property
     def row_forwards(self) -> int:
-        return sum(shape[0] for shape in self.sizes[1:])
+        return sum(shape[0] for shape in self.sizes)
 
     @property
     def processed_tokens(self) -> int:
-        return sum(shape[0] * shape[1] for shape in self.sizes[1:])
+        return sum(shape[0] * shape[1] for shape in self.sizes)
 
     @contextlib.contextmanager
     def counting(self):
-        self.sizes = []
-        handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.sizes, self.prefill_seconds, self._started = [], 0.0, None
+        handles = [
+            self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.model.register_forward_hook(self._after),
+        ]
         try:
             yield self
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
 
 def method_kwargs(method: str, drafter=None, ar_draft=None) -> dict:
@@ -314,9 +341,15 @@ def run_benchmark(
             if progress is not None:
                 progress.update(1)
         plain_speed = _speed(tallies.get("plain"))
+        plain_decode = _decode_speed(tallies.get("plain"))
         for method, tally in tallies.items():
             speed = _speed(tally)
             low, high = speedup_interval(tally.calls, tallies["plain"].calls) if "plain" in tallies else (nan, nan)
+            decode_low, decode_high = (
+                speedup_interval(tally.decode_calls, tallies["plain"].decode_calls)
+                if "plain" in tallies
+                else (nan, nan)
+            )
             records.append(
                 BenchRecord(
                     method=method,
@@ -339,6 +372,10 @@ def run_benchmark(
                     copied_fraction=tally.copied / max(tally.accepted, 1) if tally.merged else float("nan"),
                     call_times=[list(call) for call in tally.calls],
                     steps_by_kind=tally.kinds,
+                    prefill_seconds=tally.prefill_seconds,
+                    decode_speedup=_decode_speed(tally) / plain_decode if plain_decode else nan,
+                    decode_speedup_low=decode_low,
+                    decode_speedup_high=decode_high,
                 )
             )
     return records
@@ -370,6 +407,12 @@ def speedup_interval(calls, plain_calls, resamples: int = 2000, seed: int = 0) -
 
 def _speed(tally) -> float:
     return tally.tokens / tally.seconds if tally and tally.seconds else 0.0
+
+
+def _decode_speed(tally) -> float:
+    """Tokens per second of the calls' time after their prefill."""
+    seconds = sum(s for _, s in tally.decode_calls) if tally else 0.0
+    return tally.tokens / seconds if seconds else 0.0
 
 
 def method_config(target, method: str, max_new_tokens: int, drafter=None, ar_draft=None):
@@ -418,6 +461,8 @@ def _timed_generate(target, inputs, method, drafter, ar_draft, max_new_tokens, c
     tally.tokens += sum(map(len, rows))
     tally.rows += len(rows)
     tally.calls.append((sum(map(len, rows)), tally.seconds - before))
+    tally.decode_calls.append((sum(map(len, rows)), tally.seconds - before - counter.prefill_seconds))
+    tally.prefill_seconds += counter.prefill_seconds
     return rows
 
 

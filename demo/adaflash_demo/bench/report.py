@@ -25,6 +25,9 @@ COLUMNS = (
     "padding_fraction",
     "speedup_95",
     "calls",
+    "prefill_seconds",
+    "decode_speedup",
+    "decode_95",
 )
 
 
@@ -59,14 +62,17 @@ def _cell(value) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
-def interval(record) -> str:
-    """A speedup's 95% interval, ``[low, high]`` (``-`` where it could not be computed)."""
-    low, high = record.speedup_low, record.speedup_high
+def interval(record, of: str = "speedup") -> str:
+    """A speedup's 95% interval, ``[low, high]`` (``-`` where it could not be computed); ``of="decode_speedup"``:
+    the decoding's after the prefill."""
+    low, high = getattr(record, f"{of}_low"), getattr(record, f"{of}_high")
     return "-" if low != low or high != high else f"[{low:.2f}, {high:.2f}]"
 
 
 def _column(record, column: str) -> str:
-    return interval(record) if column == "speedup_95" else _cell(getattr(record, column))
+    if column in ("speedup_95", "decode_95"):
+        return interval(record, "speedup" if column == "speedup_95" else "decode_speedup")
+    return _cell(getattr(record, column))
 
 
 def markdown_table(records) -> str:
