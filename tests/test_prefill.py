@@ -132,6 +132,27 @@ def test_a_returned_cache_is_read_as_plain_decoding_reads_it(monkeypatch):
     assert stats.calls[0].prefill_forwards == 1  # its padding columns are plain decoding's, not zeros
 
 
+def test_a_right_padded_batch_is_read_in_one_forward(monkeypatch):
+    """Groups read each row's last columns: with right padding they would drop a row's tokens, so the batch is read
+    as plain decoding reads it, and the output is the padded forward's."""
+    monkeypatch.setattr(prefill, "FORWARD_TOKENS", 0)
+    target = tiny_target("qwen3")
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([p + [PAD] * (width - len(p)) for p in PROMPTS])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in PROMPTS])
+    assert not prefill.ragged_applies("ragged", DynamicCache(), mask, False, ids.device)
+    assert prefill.ragged_applies("ragged", DynamicCache(), *left_pad(PROMPTS)[1:], False, ids.device)
+    outputs = {}
+    for mode in ("ragged", "padded"):
+        config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=PAD, adaflash_prefill=mode)
+        with adaflash_hf.record_stats() as stats:
+            outputs[mode] = target.generate(
+                ids, attention_mask=mask, generation_config=config, assistant_model=tiny_drafter(target)
+            )
+        assert stats.calls[0].prefill_forwards == 1
+    assert torch.equal(outputs["ragged"], outputs["padded"])
+
+
 def test_an_unknown_prefill_mode_is_refused_with_the_choices():
     target = tiny_target("qwen3")
     with pytest.raises(ValueError, match="adaflash_prefill='rows' is not one of 'auto', 'ragged', 'padded'"):

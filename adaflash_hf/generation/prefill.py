@@ -56,12 +56,16 @@ def ragged_applies(mode: str, cache, attention_mask, returns_cache: bool, device
     """Whether the prompt may be read in groups: ``"padded"`` never; ``"auto"`` on a CPU only (on an accelerator one
     wide forward is rarely dearer than several narrow ones, and no one has measured it there); ``"ragged"`` and
     ``"auto"`` only when there is padding to save, the cache is an empty `DynamicCache` of full-attention layers (a
-    sliding window, an offloaded or a prefilled cache keeps state this module does not assemble) and the caller does
-    not get it back."""
+    sliding window, an offloaded or a prefilled cache keeps state this module does not assemble), the caller does
+    not get it back, and the batch is left-padded (each row's tokens its last columns)."""
     if mode == "padded" or (mode == "auto" and device.type != "cpu"):
         return False
     if attention_mask is None or attention_mask.shape[0] < 2 or bool(attention_mask.all()):
         return False
+    columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    left_padded = columns >= attention_mask.shape[1] - attention_mask.sum(-1, keepdim=True)
+    if not bool((attention_mask.bool() == left_padded).all()):
+        return False  # right padding or holes: a row's tokens are not the last columns a group reads
     if returns_cache or type(cache) is not DynamicCache or getattr(cache, "offloading", False):
         return False
     return cache.get_seq_length() == 0 and all(type(layer) is DynamicLayer for layer in cache.layers)
