@@ -15,7 +15,9 @@ from .harness import speedup_interval
 def load_for_ab(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """``(target, tokenizer, drafter, prompts by domain)`` for ``args.domains`` (comma-separated shipped domains,
     ``args.prompts_per_domain`` each), float32 on the CPU; a domain without shipped prompts is the parser's error.
-    Prints the machine."""
+    Prints the machine. The prompts are plain text: render each with `adaflash_hf.chat.render_prompt` before
+    tokenising it, as the benchmarks do (without the chat template the target answers most math prompts with EOS at
+    once)."""
     options = SimpleNamespace(target=None, drafter=None, dtype="float32", device="cpu", prompts=None)
     options.prompts_per_domain = args.prompts_per_domain
     target, tokenizer, drafter = load_demo_models(options)
