@@ -149,11 +149,10 @@ class SpeculativeDecoding:
         positions = positions[:, cached:]
         start = self.recorder.clock()
         features = self.generator.context_features
+        spans = [range(batch)]  # one forward over the padded batch, as plain decoding reads it
         if ragged_applies(self.prefill_mode, cache, self.attention_mask, self.returns_cache, self.sequences.device):
             spans = groups(self.attention_mask.sum(-1).tolist())
-        else:
-            spans = None
-        if spans is not None and len(spans) > 1:
+        if len(spans) > 1:
             logits, context = ragged_prefill(
                 self.target,
                 self.sequences[:, :length],
@@ -165,7 +164,6 @@ class SpeculativeDecoding:
                 spans,
             )
         else:
-            spans = [range(batch)]
             outputs = self.target(
                 input_ids=self.sequences[:, cached:length],
                 attention_mask=self.attention_mask,

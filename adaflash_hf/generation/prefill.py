@@ -79,7 +79,7 @@ def ragged_prefill(target, input_ids, attention_mask, positions, cache, hidden_l
     batch, length = input_ids.shape
     real = attention_mask.sum(-1).tolist()
     logits = context = None
-    layers: list[list[tuple]] = []  # per group, per cache layer: (keys, values) or None
+    layers: list[list[tuple]] = []  # per group, per cache layer: (rows, columns, keys, values, mask)
     for rows in spans:
         width = max(int(real[row]) for row in rows)
         index = torch.tensor(rows, device=input_ids.device)
