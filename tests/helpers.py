@@ -310,6 +310,20 @@ class OracleDrafter(AdaFlashDrafter):
         return out
 
 
+class TickingClock:
+    """Stands for `time` in the planner's module: every reading is one second after the last. A plain step (its
+    start and its end read) then costs one second and a drafted step two (the draft's end read between), whatever
+    the machine's load: a test whose oracle must make drafting pay does not hang on the tiny models' timings, where
+    a draft costs about a plain step and drafting pays by a small margin that a busy machine can turn."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
 def oracle_drafter(target, references, corrupt=None, **kwargs) -> OracleDrafter:
     drafter = tiny_drafter(target, **kwargs)
     oracle = OracleDrafter(drafter.config)
