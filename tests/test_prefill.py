@@ -161,3 +161,115 @@ def test_an_unknown_prefill_mode_is_refused_with_the_choices():
             generation_config=GenerationConfig(max_new_tokens=2, adaflash_prefill="rows"),
             assistant_model=tiny_drafter(target),
         )
+
+
+def test_context_groups_apply_where_the_prompts_read_does():
+    valid = torch.tensor([[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 1]], dtype=torch.bool)
+    cpu, empty = torch.device("cpu"), DynamicCache()
+    # row 2 stopped after its first step (a hole): its length counts from its first token on
+    assert prefill.context_groups("ragged", valid, empty, cpu) == prefill.groups([2, 6, 3])
+    assert prefill.context_groups("auto", valid, empty, cpu) == prefill.groups([2, 6, 3])
+    every = [[0, 1, 2]]
+    assert prefill.context_groups("padded", valid, empty, cpu) == every
+    assert prefill.context_groups("auto", valid, empty, torch.device("meta")) == every  # measured on CPUs only
+    assert prefill.context_groups("ragged", None, empty, cpu) == [[0]]  # nothing masked: one row or no padding
+    assert prefill.context_groups("ragged", torch.ones(3, 6, dtype=torch.bool), empty, cpu) == every
+    read = DynamicCache()
+    read.update(torch.zeros(3, 1, 2, 4), torch.zeros(3, 1, 2, 4), 0)
+    assert prefill.context_groups("ragged", valid, read, cpu) == every  # read before: not the call's first read
+
+
+def first_reads(monkeypatch, mode, family="qwen3", lay_out=None):
+    """A call's first two drafts at batch 4 (the prompts' features and a plain step's, in which row 3 had stopped),
+    its context read per ``mode``; returns both drafts and the drafter's cache after them."""
+    from adaflash_hf.generation import candidate_generator
+    from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
+
+    monkeypatch.setattr(prefill, "FORWARD_TOKENS", 0)  # prompts of 37, 2, 12 and 3 tokens: one group each
+    if lay_out is not None:
+        monkeypatch.setattr(candidate_generator, "lay_out", lay_out)
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, use_length_head=True)
+    config = GenerationConfig(max_length=128, do_sample=False, adaflash_draft_head_dtype="same", adaflash_prefill=mode)
+    ids, mask = left_pad(PROMPTS)
+    positions = _prefill_positions(mask, *ids.shape, ids.device)
+    generator = AdaFlashCandidateGenerator(target, drafter, config)
+    with torch.no_grad():
+        out = target(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+        context = generator.context_features(out.hidden_states)
+        step = torch.tensor([True, True, True, False])  # row 3's plain-step column holds no token
+        generator.add_context(context[:, :-1], positions[:, :-1], mask[:, :-1].bool())
+        generator.add_context(context[:, -1:], positions[:, -1:], (mask[:, -1].bool() & step)[:, None])
+        anchors, lengths = ids[:, -1], torch.full((4,), ids.shape[1])
+        budget = torch.full((4,), 7)
+        first = generator.draft(anchors, positions[:, -1] + 1, ids, lengths, budget)
+        generator.add_context(context[:, -2:], positions[:, -1:] + torch.tensor([[1, 2]]))
+        second = generator.draft(anchors, positions[:, -1] + 3, ids, lengths, budget)
+    return first, second, generator
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_drafters_first_read_in_groups_drafts_what_the_padded_read_drafts(monkeypatch, family):
+    grouped = []
+    real = prefill.lay_out
+    first, second, ours = first_reads(
+        monkeypatch,
+        "ragged",
+        family,
+        lambda cache, parts, *shape: grouped.append(len(parts)) or real(cache, parts, *shape),
+    )
+    assert grouped == [4]
+    p_first, p_second, padded = first_reads(monkeypatch, "padded", family)
+    for got, want in ((first, p_first), (second, p_second)):  # the second reads the laid-out cache
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.length_prediction, want.length_prediction, rtol=1e-4, atol=1e-5)
+        assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(ours.cache_mask, padded.cache_mask)
+    valid = ours.cache_mask
+    for mine, theirs in zip(ours.cache.layers, padded.cache.layers):
+        for name in ("keys", "values"):
+            a, b = getattr(mine, name).transpose(1, 2), getattr(theirs, name).transpose(1, 2)
+            assert a.shape == b.shape
+            torch.testing.assert_close(a[valid], b[valid], rtol=1e-4, atol=1e-5)
+            assert not a[~valid].any()  # columns no row read are zero, masked as padding is
+
+
+def test_a_first_read_laid_out_one_column_off_is_caught(monkeypatch):
+    """The negative control: the same comparison sees a group's context laid out one column off (the next draft
+    reads it)."""
+    real = prefill.lay_out
+
+    def shifted(cache, parts, batch, length):
+        for _, _, own, _ in parts:
+            for layer in own.layers:
+                layer.keys, layer.values = layer.keys.roll(1, dims=2), layer.values.roll(1, dims=2)
+        real(cache, parts, batch, length)
+
+    _, second, _ = first_reads(monkeypatch, "ragged", lay_out=shifted)
+    _, p_second, _ = first_reads(monkeypatch, "padded")
+    assert not torch.allclose(second.logits, p_second.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_with_grouped_first_reads_stays_exact(monkeypatch):
+    """Greedy, a drafter that drafts on every step (the fixed policy) and one that never agrees with the target:
+    every call's first draft reads the prompts in groups, and the output is plain decoding's."""
+    from adaflash_hf.generation import candidate_generator
+
+    monkeypatch.setattr(prefill, "FORWARD_TOKENS", 4)
+    reads = []
+    real = prefill.lay_out
+    monkeypatch.setattr(
+        candidate_generator,
+        "lay_out",
+        lambda cache, parts, *shape: reads.append(len(parts)) or real(cache, parts, *shape),
+    )
+    target = tiny_target("qwen3")
+    references = [alone(target, p, max_new_tokens=12, eos_token_id=None) for p in PROMPTS]
+    ids, mask = left_pad(PROMPTS)
+    for policy in ("fixed", "planned"):
+        config = GenerationConfig(
+            max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD, adaflash_length_policy=policy
+        )
+        out = target.generate(ids, attention_mask=mask, generation_config=config, assistant_model=tiny_drafter(target))
+        assert rows_of(out, PROMPTS) == references
+    assert reads and all(groups == 3 for groups in reads)

@@ -35,10 +35,12 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
 from ..dflash2 import walk_selector
+from ..modeling import AdaFlashDrafterOutput
 from .acceptance import leading_true
 from .draft_head import DraftHead
 from .ngram import NgramIndex
 from .options import AdaFlashGenerationOptions
+from .prefill import context_groups, lay_out
 from .processing import ids_independent, process_positions, token_chooser
 from .profile import profile_for
 
@@ -281,12 +283,57 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
         """
         features, positions, valid = self._take_pending()
         context_mask = self._context_mask(features.shape[0], features.shape[1], valid)
-        out = self._forward(
-            anchors, anchor_positions, features, positions, context_mask, self.cache, self.adapter_names
-        )
-        self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
+        spans = context_groups(self.options.prefill, valid, self.cache, self.device)
+        if len(spans) > 1:
+            out = self._grouped_forward(anchors, anchor_positions, features, positions, valid, spans)
+        else:
+            out = self._forward(
+                anchors, anchor_positions, features, positions, context_mask, self.cache, self.adapter_names
+            )
+            self.cache.crop(-self.block_size)  # the block leaves; the cache again holds context rows only
         self.cache_mask = context_mask
         return self._drafts(out, anchors, sequences, lengths, max_drafts, rows, projected)
+
+    def _grouped_forward(self, anchors, anchor_positions, features, positions, valid, spans) -> AdaFlashDrafterOutput:
+        """A call's first draft with its context read in the row groups ``spans`` (`prefill.context_groups`): each
+        group drafts its rows' blocks after the columns from its rows' first token on, in a cache of its own, and the
+        call's cache gets every group's context laid out as one read of the padded batch would have (`lay_out`,
+        columns a row did not read zero and masked by ``cache_mask``). The output is the padded read's, to rounding:
+        a row's drafts depend on its own context alone (`_forward` over the padding masks it out)."""
+        batch, length = valid.shape
+        first = valid.int().argmax(-1).tolist()
+        hook = getattr(self.drafter, "on_select_rows", None)
+        self._adapter_kwargs(batch, self.adapter_names)  # one name per row, or the clear error
+        hidden = prediction = None
+        parts = []
+        for rows in spans:
+            index = torch.tensor(rows, device=self.device)
+            columns = slice(min(first[row] for row in rows), length)
+            mask = valid[index, columns]
+            cache = DFlashCache(config=self.drafter.config)
+            if hook is not None:
+                hook(index, cache, source=self.cache)
+            names = None if self.adapter_names is None else [self.adapter_names[row] for row in rows]
+            out = self._forward(
+                anchors[index],
+                anchor_positions[index],
+                features[index, columns],
+                positions[index, columns],
+                None if bool(mask.all()) else mask,
+                cache,
+                names,
+            )
+            cache.crop(-self.block_size)
+            if hidden is None:
+                hidden = out.last_hidden_state.new_zeros((batch, *out.last_hidden_state.shape[1:]))
+                if out.length_prediction is not None:
+                    prediction = out.length_prediction.new_zeros((batch, *out.length_prediction.shape[1:]))
+            hidden[index] = out.last_hidden_state
+            if prediction is not None:
+                prediction[index] = out.length_prediction
+            parts.append((index, columns, cache, mask))
+        lay_out(self.cache, parts, batch, length)
+        return AdaFlashDrafterOutput(last_hidden_state=hidden, cache=self.cache, length_prediction=prediction)
 
     @torch.no_grad()
     def probe(

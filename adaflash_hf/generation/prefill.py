@@ -15,6 +15,9 @@ all groups plus a fixed price per forward (`FORWARD_TOKENS`, the forward's own c
 the padded forward, whenever splitting saves less than that price. `ragged_applies` says when the loop may read a
 prompt this way (`adaflash_prefill`, options.py): a `DynamicCache` of full-attention layers that starts empty and is
 not returned to the caller (a returned cache holds plain decoding's padding columns; here they are zero).
+
+The drafter reads the same prompts at a call's first real draft, and `context_groups` groups its rows the same way
+(`AdaFlashCandidateGenerator.draft`); `lay_out` lays out either's groups.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def ragged_applies(mode: str, cache, attention_mask, returns_cache: bool, device
     ``"auto"`` only when there is padding to save, the cache is an empty `DynamicCache` of full-attention layers (a
     sliding window, an offloaded or a prefilled cache keeps state this module does not assemble), the caller does
     not get it back, and the batch is left-padded (each row's tokens its last columns)."""
-    if mode == "padded" or (mode == "auto" and device.type != "cpu"):
+    if not _mode_allows(mode, device):
         return False
     if attention_mask is None or attention_mask.shape[0] < 2 or bool(attention_mask.all()):
         return False
@@ -66,9 +69,36 @@ def ragged_applies(mode: str, cache, attention_mask, returns_cache: bool, device
     left_padded = columns >= attention_mask.shape[1] - attention_mask.sum(-1, keepdim=True)
     if not bool((attention_mask.bool() == left_padded).all()):
         return False  # right padding or holes: a row's tokens are not the last columns a group reads
-    if returns_cache or type(cache) is not DynamicCache or getattr(cache, "offloading", False):
+    return not returns_cache and type(cache) is DynamicCache and _assembled(cache)
+
+
+def context_groups(mode: str, valid: torch.Tensor | None, cache, device: torch.device) -> list[list[int]]:
+    """The row groups in which a drafter reads a call's first context (the prompts' features and those of the plain
+    steps since), ``valid [B, T]`` telling which columns hold a token (left padding, and the holes of rows that
+    stopped): `groups` of each row's columns from its first token on where ``mode`` allows it (as for the prompt's
+    forward, `ragged_applies`) and the drafter's cache is empty and of full-attention layers; else one group of every
+    row. A drafter's forward reads its new context and drafts a block per row at once, so each group drafts its own
+    rows' blocks; a row's drafts depend on its own context alone."""
+    batch = 1 if valid is None else valid.shape[0]
+    every = [list(range(batch))]
+    if valid is None or batch < 2 or not _mode_allows(mode, device):
+        return every
+    if bool(valid.all()) or not _assembled(cache):
+        return every
+    first = valid.int().argmax(-1)  # each row's first token
+    return groups((valid.shape[1] - first).tolist())
+
+
+def _mode_allows(mode: str, device: torch.device) -> bool:
+    return mode == "ragged" or (mode == "auto" and device.type == "cpu")
+
+
+def _assembled(cache) -> bool:
+    """Whether `lay_out` can fill ``cache``: empty, not offloaded, every layer a full-attention `DynamicLayer` (a
+    sliding window keeps state of its own)."""
+    if getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
         return False
-    return cache.get_seq_length() == 0 and all(type(layer) is DynamicLayer for layer in cache.layers)
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def ragged_prefill(target, input_ids, attention_mask, positions, cache, hidden_layers, features, spans):
@@ -79,7 +109,7 @@ def ragged_prefill(target, input_ids, attention_mask, positions, cache, hidden_l
     batch, length = input_ids.shape
     real = attention_mask.sum(-1).tolist()
     logits = context = None
-    layers: list[list[tuple]] = []  # per group, per cache layer: (rows, columns, keys, values, mask)
+    parts = []  # per group: (rows, columns, its cache, its mask), for `lay_out`
     for rows in spans:
         width = max(int(real[row]) for row in rows)
         index = torch.tensor(rows, device=input_ids.device)
@@ -101,21 +131,26 @@ def ragged_prefill(target, input_ids, attention_mask, positions, cache, hidden_l
             context = found.new_zeros(batch, length, found.shape[-1])
         logits[index] = outputs.logits[:, -1:]
         context[index, columns] = found.masked_fill(~mask.bool()[..., None], 0)
-        layers.append(
-            [
-                (index, columns, getattr(layer, "keys", None), getattr(layer, "values", None), mask)
-                for layer in own.layers
-            ]
-        )
-    for number, per_group in enumerate(zip(*layers)):
-        first = next((entry for entry in per_group if entry[2] is not None), None)
+        parts.append((index, columns, own, mask))
+    lay_out(cache, parts, batch, length)
+    return logits, context
+
+
+def lay_out(cache, parts, batch: int, length: int) -> None:
+    """Fills the empty ``cache`` with the keys and values that groups of rows read, laid out as one forward over
+    the padded batch of ``length`` columns would have: ``parts`` holds per group ``(rows, columns, group_cache,
+    mask)``, the group's rows (an index), the columns it read (a slice ending at ``length``), its own cache and its
+    padding mask over those columns; every column a row did not read, or read as padding, is zero (masked in every
+    later forward, as padding is)."""
+    for number in range(len(parts[0][2].layers)):
+        entries = [(index, columns, own.layers[number], mask) for index, columns, own, mask in parts]
+        first = next((layer for _, _, layer, _ in entries if getattr(layer, "keys", None) is not None), None)
         if first is None:
             continue  # a layer that keeps nothing (one sharing another layer's keys and values)
-        keys = first[2].new_zeros(batch, first[2].shape[1], length, first[2].shape[3])
-        values = first[3].new_zeros(batch, first[3].shape[1], length, first[3].shape[3])
-        for index, columns, group_keys, group_values, mask in per_group:
+        keys = first.keys.new_zeros(batch, first.keys.shape[1], length, first.keys.shape[3])
+        values = first.values.new_zeros(batch, first.values.shape[1], length, first.values.shape[3])
+        for index, columns, layer, mask in entries:
             padding = ~mask.bool()[:, None, :, None]
-            keys[index, :, columns] = group_keys.masked_fill(padding, 0)
-            values[index, :, columns] = group_values.masked_fill(padding, 0)
+            keys[index, :, columns] = layer.keys.masked_fill(padding, 0)
+            values[index, :, columns] = layer.values.masked_fill(padding, 0)
         cache.update(keys, values, number)
-    return logits, context
