@@ -235,6 +235,31 @@ def test_a_probe_of_one_row_prices_a_step_of_every_row():
     assert alike._promoted
 
 
+def test_a_probe_of_every_row_is_priced_by_its_blocks_in_all_not_by_its_unluckiest_block(monkeypatch):
+    # eight rows at batch-8 prices (width 16 costs 2.7 plain steps), a call whose drafts were accepted 4 times in 5
+    costs = {(8, 1): 1.0, (8, 2): 1.3, (8, 16): 2.7}
+
+    def gain(matched):
+        table = CostTable(step_s=dict(costs), draft_s={8: 0.2}, probe_s={8: 0.2}, acceptance=0.8)
+        planner = VerificationPlanner(table, 16, 8, torch.device("cpu"))
+        planner.successes += 4.0
+        planner.trials += 5.0
+        planner._shadows = {row: [[7] * 15, m, m < 15, m < 15] for row, m in enumerate(matched)}
+        planner._shadow_rows = list(range(8))
+        return planner.shadow_gain()
+
+    # a math batch's probe (section 38): one block of eight matched nothing, the rest 1-15 drafts
+    math = [1, 6, 15, 1, 2, 4, 0, 3]
+    assert gain(math) > 1.5
+    assert gain([0] * 8) < 1.0  # blocks that matched nothing promote nothing
+    assert gain([15] * 8) > 3.0
+    # the negative control: each row priced by the fewer of its block's and its expected tokens, the row whose block
+    # matched nothing stood for a row that never drafts, and the batch's finish hung on it
+    monkeypatch.setattr(planner_module, "BLOCK_TOTALS", False)
+    assert gain(math) < 1.0
+    assert gain([15] * 8) > 3.0
+
+
 def test_a_probed_row_is_one_rows_evidence_for_the_rows_no_probe_drafted(monkeypatch):
     # 32 rows at prices where a wide verification is compute-bound: width 2 costs 1.8 plain steps, 16 tokens 8
     costs = {(32, 1): 1.0, (32, 2): 1.8, (32, 16): 8.0}

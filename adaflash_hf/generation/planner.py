@@ -177,6 +177,12 @@ SAMPLE_PROBES = True
 # `batch_objective --switch ROW_EVIDENCE` switches it off for its A/B.
 ROW_EVIDENCE = True
 ROW_PRIOR_WEIGHT = 2.0
+# A probe of several rows prices each row by its expected tokens scaled down to what the blocks matched in all
+# (`shadow_gain`), not by the fewer of its own block's and its expected ones: a batch finishes with its slowest row,
+# and with each row's one block as its rate, the one block of eight that happened to match nothing priced the whole
+# batch at one token a step, so that such probes promoted nothing at batch 8, math included.
+# `batch_objective --switch BLOCK_TOTALS` switches it off for its A/B.
+BLOCK_TOTALS = True
 # Merged paths' acceptance is modelled per depth up to this one; deeper tokens share its estimate (paths that reach it
 # are copies in progress, whose later tokens are accepted alike).
 PATH_DEPTHS = 8
@@ -1065,10 +1071,11 @@ class VerificationPlanner:
         measured, at the cheapest a drafted step can cost (a plain step plus the measured draft); ``None`` before
         anything can be said.
 
-        A width's tokens are the fewer of what the probe's block would have committed and what the geometric model
-        expects (`expected_committed`) with each row's ``p`` estimated from the probe's matched drafts and its
-        rejection (if one came yet) beside the call's earlier observations, shrunk towards `PRIOR_ACCEPTANCE` (the
-        last call's acceptance says little about this one's content). One block is one sample: promoting on what it
+        A width's tokens are what the geometric model expects (`expected_committed`) with each row's ``p`` estimated
+        from the probe's matched drafts and its rejection (if one came yet) beside the call's earlier observations,
+        shrunk towards `PRIOR_ACCEPTANCE` (the last call's acceptance says little about this one's content), scaled
+        down where the probed rows' blocks would have committed fewer in all (`BLOCK_TOTALS`; at one row: the fewer
+        of its block's and its expected tokens). One block is one sample: promoting on what it
         matched alone would start drafting on every lucky block (where a draft is accepted with probability 0.45,
         half of all probes match one draft or more, which pays for a step of 1.75 plain steps, while drafting there
         commits 1.45 tokens per such step: BENCHMARKS.md section 20); and the estimate alone, with its prior, could
@@ -1092,7 +1099,10 @@ class VerificationPlanner:
         steps = torch.arange(longest + 1, dtype=torch.float64)
         expected = (p[:, None] ** steps).cumsum(1)  # [rows, w - 1]: expected tokens at width w
         realized = 1 + torch.minimum(matched[:, None], steps)  # what the block would have committed at width w
-        committed = torch.minimum(expected, realized)[:, 1:]  # column w - 2: width w
+        if BLOCK_TOTALS:  # each row as expected, all of them no more than their blocks committed in all
+            committed = (expected * (realized.sum(0) / expected.sum(0)).clamp(max=1.0))[:, 1:]  # column w - 2: width w
+        else:
+            committed = torch.minimum(expected, realized)[:, 1:]
         if others:
             if ROW_EVIDENCE:  # one observation a probed row, this probe's and the call's earlier ones'
                 estimates = {**self._probed_rows, **dict(zip(probed, p.tolist()))}

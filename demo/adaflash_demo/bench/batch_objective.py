@@ -12,7 +12,9 @@ shipped held-out prompts of one domain, every output asserted identical to plain
 ``--switch SAMPLE_PROBES`` compares another switch of the planner at batch > 1 the same way: a call's probes before
 its first real draft drafting one row (`planner.SAMPLE_PROBES`) against every row, which reads every prompt;
 ``--switch ROW_EVIDENCE``: such a probe's row counting as one row's evidence for the rows it did not draft
-(`planner.ROW_EVIDENCE`) against its drafts' count. ``--pool`` measures the domains' prompts as one set, the domains
+(`planner.ROW_EVIDENCE`) against its drafts' count; ``--switch BLOCK_TOTALS``: a probe of several rows pricing
+each row by its expected tokens scaled to what all the blocks matched (`planner.BLOCK_TOTALS`) against the fewer of
+its own block's and its expected ones. ``--pool`` measures the domains' prompts as one set, the domains
 taking turns within every batch (as a server's batch of mixed requests), for batch sizes one domain cannot fill:
 
     python -m adaflash_demo.bench.batch_objective --switch ROW_EVIDENCE --pool --batch-size 32 --repeats 4 \
@@ -44,6 +46,7 @@ SWITCHES = {
     "FINISH_TIME": ("finish", "summed"),
     "SAMPLE_PROBES": ("one-row probes", "every-row probes"),
     "ROW_EVIDENCE": ("a row's evidence", "its drafts' count"),
+    "BLOCK_TOTALS": ("blocks' totals", "each row's block"),
 }
 
 
