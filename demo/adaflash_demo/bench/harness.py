@@ -112,25 +112,28 @@ class ForwardCounter:
 
     A forward that starts from an empty cache reads a prompt (the prefill: one forward over the padded batch, or
     several over groups of rows, `adaflash_hf.generation.prefill`); those are left out of the counts, and
-    `prefill_seconds` is their wall time.
+    `prefill_seconds` is their wall time; `step_seconds` is the other forwards' (a plain step's, a verification's).
     """
 
     def __init__(self, model):
-        self.model, self.sizes, self.prefill_seconds = model, [], 0.0
-        self._started = None
+        self.model, self.sizes, self.prefill_seconds, self.step_seconds = model, [], 0.0, 0.0
+        self._started, self._prefill = None, False
 
     def _before(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        prefill = cache is None or cache.get_seq_length() == 0
-        if prefill:
-            self._started = time.perf_counter()
-        else:
+        self._prefill = cache is None or cache.get_seq_length() == 0
+        if not self._prefill:
             self.sizes.append(ids.shape)
+        self._started = time.perf_counter()
 
     def _after(self, module, args, output):
         if self._started is not None:
-            self.prefill_seconds += time.perf_counter() - self._started
+            seconds = time.perf_counter() - self._started
+            if self._prefill:
+                self.prefill_seconds += seconds
+            else:
+                self.step_seconds += seconds
             self._started = None
 
     @property
@@ -143,7 +146,7 @@ class ForwardCounter:
 
     @contextlib.contextmanager
     def counting(self):
-        self.sizes, self.prefill_seconds, self._started = [], 0.0, None
+        self.sizes, self.prefill_seconds, self.step_seconds, self._started = [], 0.0, 0.0, None
         handles = [
             self.model.register_forward_pre_hook(self._before, with_kwargs=True),
             self.model.register_forward_hook(self._after),

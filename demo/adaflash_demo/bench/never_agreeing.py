@@ -40,6 +40,7 @@ from adaflash_hf.machine import machine_info, machine_summary
 
 from .. import demo as demo_data
 from ..cli import chosen_prompts, load_demo_models
+from .harness import ForwardCounter
 
 
 def random_drafter(folder: str, seed: int = 1) -> str:
@@ -99,19 +100,12 @@ def timed(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
 
 def overhead(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
     """Plain ``generate()`` and the planner, interleaved call by call, every call generating exactly
-    ``max_new_tokens``: the prefill apart, and per decoding step the target's forward (hooks), the drafter's drafts
+    ``max_new_tokens``: the prefill apart (every forward from an empty cache, `harness.ForwardCounter`), and per
+    decoding step the target's forward (hooks), the drafter's drafts
     (the loop's step records) and the rest, the decoding loop's own work."""
     fixed = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     plain, ours = GenerationConfig(**fixed), GenerationConfig(**fixed, adaflash_length_policy="planned")
-    starts, forwards = [], []
-
-    def enter(*_):
-        starts.append(time.perf_counter())
-
-    def leave(*_):
-        forwards.append(time.perf_counter() - starts.pop())
-
-    hooks = [target.register_forward_pre_hook(enter), target.register_forward_hook(leave)]
+    counter = ForwardCounter(target)
     keys = ("calls", "seconds", "prefill_s", "steps", "forward_s", "draft_s")
     totals = {kind: dict.fromkeys(keys, 0.0) for kind in ("plain", "ours")}
     for ids in inputs[:2]:  # warm both paths
@@ -120,21 +114,18 @@ def overhead(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict
     for repeat in range(repeats):
         for ids in inputs:
             for kind in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
-                forwards.clear()
                 extra = {"assistant_model": drafter} if kind == "ours" else {}
-                with adaflash_hf.record_stats() as stats:
+                with adaflash_hf.record_stats() as stats, counter.counting():
                     start = time.perf_counter()
                     target.generate(**ids, generation_config=ours if kind == "ours" else plain, **extra)
                     took = time.perf_counter() - start
                 total = totals[kind]
                 total["calls"] += 1
                 total["seconds"] += took
-                total["prefill_s"] += forwards[0]
-                total["steps"] += len(forwards) - 1
-                total["forward_s"] += sum(forwards[1:])
+                total["prefill_s"] += counter.prefill_seconds  # the prompt's forwards, grouped or not
+                total["steps"] += len(counter.sizes)
+                total["forward_s"] += counter.step_seconds
                 total["draft_s"] += sum(step.draft_time_s for step in stats.steps)
-    for hook in hooks:
-        hook.remove()
     result = {}
     for kind, total in totals.items():
         decoding = total["seconds"] - total["prefill_s"]
