@@ -107,3 +107,99 @@ def test_tree_paths_move_to_the_front_of_the_steps_columns():
     target = _cache(batch=1, columns=6)  # 3 committed columns, a tree of 3 verified
     target.move_to_front(torch.tensor([[0, 2, 1]]), width=3)
     assert _marks(target).tolist() == [[0.0, 1.0, 2.0, 3.0, 5.0, 4.0]]
+
+
+def _replay(layer, rng: torch.Generator, steps: int = 40) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Runs a random sequence of what the loop does to a cache layer (prompt, verifications of 1-6 columns, crops of
+    their rejected columns, rows leaving, compaction, a tree's reordered span) on ``layer``; returns its keys and
+    values after each operation."""
+    batch, seen = 5, []
+    keys = torch.randn(batch, HEADS, 7, DIM, generator=rng)
+    layer.update(keys, keys * 2)
+    for _ in range(steps):
+        batch = layer.keys.shape[0]
+        width = int(torch.randint(1, 7, (), generator=rng))
+        new = torch.randn(batch, HEADS, width, DIM + 0, generator=rng)
+        layer.update(new, -new)
+        rejected = int(torch.randint(0, width, (), generator=rng))
+        if rejected:
+            layer.crop(-rejected)
+        roll = float(torch.rand((), generator=rng))
+        if roll < 0.1 and batch > 1:
+            layer.batch_select_indices(torch.arange(1, batch))
+        elif roll < 0.2:
+            columns = layer.keys.shape[2]
+            cache_module.gather_columns(layer, torch.arange(columns).roll(1).expand(batch, -1))
+        elif roll < 0.3:
+            span = layer.keys.shape[2] - 3
+            order = torch.tensor([2, 0, 1]).expand(batch, -1)
+            cache_module.gather_columns(layer, order, columns=slice(span, span + 3))
+        seen.append((layer.keys.clone(), layer.values.clone()))
+    return seen
+
+
+def test_a_reserved_layer_holds_what_a_dynamic_layer_holds():
+    from transformers.cache_utils import DynamicLayer
+
+    for seed in range(4):
+        dynamic = _replay(DynamicLayer(), torch.Generator().manual_seed(seed))
+        reserved = _replay(cache_module.ReservedLayer(capacity=12), torch.Generator().manual_seed(seed))
+        assert len(dynamic) == len(reserved)
+        for (k, v), (rk, rv) in zip(dynamic, reserved):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_a_reserved_layer_that_misses_replaced_tensors_is_caught(monkeypatch):
+    """The negative control: the same comparison sees a layer that keeps writing into its buffers after a compaction
+    replaced its tensors (it would return the columns as they were before)."""
+    from transformers.cache_utils import DynamicLayer
+
+    def holds(self, total, key_states, value_states):
+        keys = self._buffers[0] if self._buffers is not None else None
+        return keys is not None and total <= keys.shape[-2] and keys.shape[:-2] == key_states.shape[:-2]
+
+    monkeypatch.setattr(cache_module.ReservedLayer, "_holds", holds)
+    dynamic = _replay(DynamicLayer(), torch.Generator().manual_seed(0))
+    reserved = _replay(cache_module.ReservedLayer(capacity=12), torch.Generator().manual_seed(0))
+    assert not all(torch.equal(k, rk) for (k, _), (rk, _) in zip(dynamic, reserved))
+
+
+def test_a_reserved_layer_copies_the_cache_only_when_it_grows_or_rows_leave():
+    layer = cache_module.ReservedLayer(capacity=64)
+    layer.update(torch.randn(3, HEADS, 10, DIM), torch.randn(3, HEADS, 10, DIM))
+    buffer = layer._buffers[0]
+    for _ in range(20):  # plain steps, verifications and their crops within the room reserved: no new buffer
+        layer.update(torch.randn(3, HEADS, 2, DIM), torch.randn(3, HEADS, 2, DIM))
+        layer.crop(-1)
+        assert layer._buffers[0] is buffer and layer.keys.data_ptr() == buffer.data_ptr()
+    assert layer.keys.shape[2] == 30
+    layer.update(torch.randn(3, HEADS, 40, DIM), torch.randn(3, HEADS, 40, DIM))  # past the room: it grows
+    assert layer._buffers[0].shape[2] >= 70 and layer._buffers[0] is not buffer
+    layer.batch_select_indices(torch.tensor([0, 2]))  # rows leave: the next update moves them into new buffers
+    layer.update(torch.randn(2, HEADS, 1, DIM), torch.randn(2, HEADS, 1, DIM))
+    assert layer._buffers[0].shape[0] == 2 and layer.keys.shape == (2, HEADS, 71, DIM)
+
+
+def test_generate_reserves_the_cache_unless_it_is_returned():
+    from helpers import tiny_drafter, tiny_target
+    from transformers import GenerationConfig
+
+    target = tiny_target()
+    layers = []
+    real = cache_module.reserve
+
+    def spy(cache, capacity):
+        real(cache, capacity)
+        layers.append({type(layer).__name__ for layer in cache.layers})
+
+    import adaflash_hf.generation.decoding as decoding
+
+    original = decoding.reserve
+    decoding.reserve = spy
+    try:
+        for returned in (False, True):
+            config = GenerationConfig(max_new_tokens=6, do_sample=False, return_dict_in_generate=returned)
+            target.generate(torch.tensor([[0, 5, 9]]), generation_config=config, assistant_model=tiny_drafter(target))
+    finally:
+        decoding.reserve = original
+    assert layers == [{"ReservedLayer"}]  # the returned cache keeps transformers' own layers

@@ -15,6 +15,10 @@ on the mask-free path) and does everything the loop needs with them:
   rebuilt to plain decoding's layout;
 * `move_to_front`: tree verification's accepted path goes to the front of the step's columns (`tree.py`).
 
+Where the caller does not get the cache back, `reserve` gives its full-attention layers room for the whole call
+(`ReservedLayer`): each forward then writes its new columns after the cached ones instead of copying the whole layer
+into a new tensor, as `DynamicLayer`'s ``torch.cat`` does every step.
+
 transformers' Cache API has no operation that moves columns within rows, so `gather_columns` touches the layers'
 tensors directly; it is the only place that does, and it moves every tensor a layer keeps per position
 (`POSITION_TENSORS`) together, refusing (`check_movable`) a layer class it does not know rather than moving part of
@@ -26,11 +30,85 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
+
+class ReservedLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are the first columns of buffers with room for ``capacity`` columns.
+
+    `DynamicLayer.update` copies the whole layer into a new tensor every forward (``torch.cat``): at 32 rows of 600
+    columns that is 30 MB a layer, about a quarter of a plain step of a 30-layer model on a CPU (BENCHMARKS.md
+    section 38). Here an update writes its columns after the cached ones and returns views of the buffers: the same
+    values at the same positions, so attention computes the same (scaled dot-product attention gives the same bits
+    on such a view as on a contiguous copy). `crop` keeps views of the buffers (its columns are written over by the
+    next update); an operation that replaces the tensors (``batch_select_indices``, `gather_columns` without a span)
+    is seen at the next update, which moves them into new buffers, once, as ``torch.cat`` would have copied them.
+
+    Args:
+        capacity (`int`): columns the buffers hold; an update that needs more grows them by half at least.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._holds(length + new, key_states, value_states):
+            self._reserve(length, length + new, key_states, value_states)
+        keys, values = self._buffers
+        keys[..., length : length + new, :].copy_(key_states)
+        values[..., length : length + new, :].copy_(value_states)
+        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+        return self.keys, self.values
+
+    def _holds(self, total: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether the buffers take ``total`` columns of these states and the layer's tensors are still their first
+        columns."""
+        if self._buffers is None:
+            return False
+        keys, values = self._buffers
+        if total > keys.shape[-2] or keys.dtype != key_states.dtype:
+            return False
+        if keys.shape[:-2] != key_states.shape[:-2] or values.shape[:-2] != value_states.shape[:-2]:
+            return False  # rows selected since
+        return self.keys.numel() == 0 or all(
+            mine.data_ptr() == buffer.data_ptr() and mine.stride() == buffer.stride()
+            for mine, buffer in ((self.keys, keys), (self.values, values))
+        )
+
+    def _reserve(self, length: int, total: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New buffers of at least ``total`` columns, holding the layer's first ``length`` ones."""
+        old = 0 if self._buffers is None else self._buffers[0].shape[-2]
+        self.capacity = max(self.capacity, total, old + old // 2)
+        buffers = []
+        for cached, states in ((self.keys, key_states), (self.values, value_states)):
+            buffer = states.new_empty((*states.shape[:-2], self.capacity, states.shape[-1]))
+            if length:
+                buffer[..., :length, :].copy_(cached)
+            buffers.append(buffer)
+        self._buffers = tuple(buffers)
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+def reserve(cache, capacity: int) -> None:
+    """Replaces the empty full-attention layers of ``cache`` by `ReservedLayer` s of ``capacity`` columns (a
+    lazily built cache has no layers yet and is left as it is)."""
+    if getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
+        return
+    cache.layers = [ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+
+
 COMPACT_FRACTION = 0.5  # compact once the columns it would free exceed this fraction of the cache's
 # Every tensor a cache layer keeps per position, by layer class (exact type: a subclass may keep more):
 # attribute -> (batch dim, position dim).
 POSITION_TENSORS = {
     DynamicLayer: {"keys": (0, 2), "values": (0, 2)},
+    ReservedLayer: {"keys": (0, 2), "values": (0, 2)},
     DynamicSlidingWindowLayer: {"keys": (0, 2), "values": (0, 2)},
     # DeepSeek sparse attention (deepseek_v32, glm_moe_dsa, ...): the indexer scores cached tokens by these keys
     DynamicIndexedLayer: {

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import TargetCache
+from .cache import TargetCache, reserve
 from .candidate_generator import AdaFlashCandidateGenerator, PathProposer
 from .checks import check_call
 from .options import AdaFlashGenerationOptions
@@ -111,6 +111,9 @@ class SpeculativeDecoding:
         # criterion) or keeps generating (without one), and its scores and cache columns are computed all the same.
         # Rows stay in the batch as *trailing* rows whenever any of that is visible in the output.
         self.keep_rows = batch > 1 and (self.returns_cache or self.eos is None)
+        if not self.returns_cache:  # room for the whole call: no step copies the cache (`cache.ReservedLayer`)
+            widest = max(self.generator.block_size, options.tree_budget or 0) + 1
+            reserve(cache, generation_config.max_length + widest)
         self.recorder = CallRecorder(batch, input_ids.device)
         self.recorder.uses(profile)
         self.profile = profile

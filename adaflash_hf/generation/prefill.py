@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .cache import ReservedLayer
+
 PREFILL_MODES = ("auto", "ragged", "padded")
 # What one more forward costs, in prompt tokens of the same forward: on a CPU a forward's fixed part (30 layers'
 # norms, rotary embeddings and attention dispatched op by op) is about what 10-30 tokens' products cost.
@@ -98,7 +100,7 @@ def _assembled(cache) -> bool:
     sliding window keeps state of its own)."""
     if getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
         return False
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, ReservedLayer) for layer in cache.layers)
 
 
 def ragged_prefill(target, input_ids, attention_mask, positions, cache, hidden_layers, features, spans):
