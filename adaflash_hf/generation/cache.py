@@ -35,7 +35,7 @@ class ReservedLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are the first columns of buffers with room for ``capacity`` columns.
 
     `DynamicLayer.update` copies the whole layer into a new tensor every forward (``torch.cat``): at 32 rows of 600
-    columns that is 30 MB a layer, about a quarter of a plain step of a 30-layer model on a CPU (BENCHMARKS.md
+    columns that is 30 MB a layer, about a fifth of a plain step of a 30-layer model on a CPU (BENCHMARKS.md
     section 38). Here an update writes its columns after the cached ones and returns views of the buffers: the same
     values at the same positions, so attention computes the same (scaled dot-product attention gives the same bits
     on such a view as on a contiguous copy). `crop` keeps views of the buffers (its columns are written over by the
