@@ -55,10 +55,10 @@ class AdaFlashGenerationOptions:
     verify_layout (`str`): ``adaflash_verify_layout``: ``"auto"`` (measured), ``"linear"`` (the model's own kernel:
         off), or a kernel always used, ``"transposed"``, ``"onednn"`` or ``"blocked"`` (`verify_layout.py`), in the
         target's forwards and the draft head's float32 product (`draft_head.py`).
-    prefill (`str`): ``adaflash_prefill``: how the prompt is read: ``"auto"`` (in groups of rows of similar length
-        on a CPU when that saves more padding than the extra forwards cost, `prefill.py`; one padded forward
-        elsewhere), ``"ragged"`` (groups on any device, same rule) or ``"padded"`` (one forward over the padded batch,
-        as plain decoding).
+    prefill (`str`): ``adaflash_prefill``: how the prompt is read, by the target and by the drafter's first draft:
+        ``"auto"`` (in groups of rows of similar length on a CPU when that saves more padding than the extra forwards
+        cost, `prefill.py`; one padded forward elsewhere), ``"ragged"`` (groups on any device, same rule) or
+        ``"padded"`` (one forward over the padded batch, as plain decoding).
     decoding_loop (`str`): ``adaflash_decoding_loop``: ``"adaflash"`` (adaflash_hf's batched loop) or
         ``"transformers"`` (transformers' assisted loop driving the candidate generator, batch 1).
     """
