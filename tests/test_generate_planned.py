@@ -7,13 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import oracle_drafter, tiny_drafter, tiny_target
+from helpers import TickingClock, oracle_drafter, tiny_drafter, tiny_target
 from test_generate_batched import PAD, PROMPTS, alone, common_token, left_pad, rows_of
 from test_generate_sampling import NEW, PROMPT, SAMPLING, exact_joint, p_value
 from transformers import GenerationConfig
 
 import adaflash_hf
 from adaflash_hf.generation import planner as planner_module
+from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
 from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import CostTable, VerificationPlanner
 from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, profile_for
@@ -818,6 +819,32 @@ def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monke
     target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
     # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype: those drafts are marked
     assert 0 < len(marked) <= 2 * HEAD_DTYPE_TRIALS
+
+
+@pytest.mark.parametrize("kept_out", [True, False])
+def test_a_calls_first_draft_reading_every_prompt_is_kept_out_of_the_drafts_price(monkeypatch, kept_out):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    profile_for(target, drafter).reset()
+    clock = TickingClock()  # a plain step costs 1 s and a draft 1 s more
+    monkeypatch.setattr(planner_module, "time", clock)
+    reads, draft = [], AdaFlashCandidateGenerator.draft
+
+    def reading(self, *args, **kwargs):
+        if self.reads_prompts:
+            reads.append(True)
+            clock.now += 10.0  # reading every row's prompt costs ten more
+        return draft(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdaFlashCandidateGenerator, "draft", reading)
+    if not kept_out:  # the negative control: nothing marks the read
+        monkeypatch.setattr(VerificationPlanner, "untimed", lambda self: None)
+    _forced(monkeypatch, lambda step, rows, cap: [2] * len(rows))  # the first step drafts every row
+    ids, mask = left_pad(PROMPTS[:3])
+    _generate(target, drafter, ids, mask, None, adaflash_draft_head_dtype="same", adaflash_verify_layout="linear")
+    prices = profile_for(target, drafter).cost_table(torch.device("cpu"), torch.float32).draft_s
+    assert reads == [True] and prices
+    assert (set(prices.values()) == {1.0}) == kept_out
 
 
 def test_a_step_whose_draft_head_timed_a_kernel_is_priced_as_a_trial(monkeypatch):

@@ -233,6 +233,11 @@ class AdaFlashCandidateGenerator(ContextPaths, CandidateGenerator):
                 )
         return features, positions, None if _all_true(valid) else valid
 
+    @property
+    def reads_prompts(self) -> bool:
+        """Whether the next `draft` reads every row's prompt: this call's drafter has read no context yet."""
+        return self.cache.get_seq_length() == 0
+
     def skip(self, anchors: torch.LongTensor) -> Drafts:
         """A step without drafts (the step's plan chose a plain step): the drafter does not run, and the context
         queued for it waits, with the context of this step, for the next `draft()`."""

@@ -1193,8 +1193,9 @@ class VerificationPlanner:
 
     def untimed(self) -> None:
         """Keeps the next observed step out of the cost table and the rates: it ran a one-off cost (the draft head's
-        dtype trials of a pair's first drafts time bfloat16 products that can cost several times the float32 ones),
-        which would price its width and tell drafting apart from plain steps wrongly."""
+        dtype trials of a pair's first drafts time bfloat16 products that can cost several times the float32 ones; a
+        call's first draft reads every row's prompt), which would price its width and the draft, and tell drafting
+        apart from plain steps, wrongly."""
         self._untimed = True
 
     def trial(self) -> None:
