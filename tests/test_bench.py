@@ -1,6 +1,7 @@
 """The benchmark harness on tiny models: every method runs, records are complete, fp32 greedy outputs identical; a
 batch size a domain cannot fill pools the small domains; the results name the machine."""
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -362,6 +363,31 @@ def test_each_method_that_drafts_learns_on_its_own_copy_of_the_drafter(word_toke
         max_new_tokens=6,
     )
     assert not profile_for(target, drafter).cost_table(target.device, target.dtype).step_s  # the original ran nothing
+
+
+def test_with_a_profile_folder_each_methods_copy_keeps_a_file_of_its_own(word_tokenizer, monkeypatch, tmp_path):
+    # the copies' files share a name (keyed by the drafter's configuration): in one folder, a copy first used after
+    # another method's call would start from what that call saved
+    monkeypatch.setenv("ADAFLASH_HF_PROFILE_DIR", str(tmp_path))
+    target = tiny_target()
+    target.generation_config.pad_token_id = 2
+    word_tokenizer.padding_side = "left"
+    drafter = tiny_drafter(target)
+    profile_for(target, tiny_drafter(target)).save(force=True)  # a file of the drafter's configuration, as a user's
+    (shared,) = tmp_path.glob("*.json")
+    shared.write_text("not json")  # a copy that read it would warn and rewrite it
+    run_benchmark(
+        target,
+        word_tokenizer,
+        {"x": ["abc", "de"]},
+        drafter=drafter,
+        methods=("plain", "adaflash_planned", "adaflash_hybrid"),
+        max_new_tokens=6,
+    )
+    assert shared.read_text() == "not json"
+    for method in ("adaflash_planned", "adaflash_hybrid"):
+        (own,) = (tmp_path / method).glob("*.json")
+        assert own.name == shared.name and json.loads(own.read_text())["profile"]["cost_tables"]
 
 
 def test_the_hybrid_bounds_price_what_each_step_would_commit():

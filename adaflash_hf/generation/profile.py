@@ -281,9 +281,11 @@ class _NoDrafter:
 _NO_DRAFTER = _NoDrafter()
 
 
-def profile_for(target, drafter) -> RuntimeProfile:
+def profile_for(target, drafter, subfolder: str | None = None) -> RuntimeProfile:
     """The profile of this (target, drafter) pair in this process (made on first use); ``drafter=None``: the
-    target's own, for the n-gram-only loop."""
+    target's own, for the n-gram-only loop. ``subfolder``: where the profile is made by this call, its file is kept
+    in that subfolder of the profile folder (the benchmarks give each method's copy of one drafter its own: the
+    file's name is keyed by the drafter's configuration, which the copies share)."""
     drafter = _NO_DRAFTER if drafter is None else drafter
     with _PROFILES_LOCK:
         per_target = _PROFILES.setdefault(drafter, weakref.WeakKeyDictionary())
@@ -294,5 +296,5 @@ def profile_for(target, drafter) -> RuntimeProfile:
             if folder is not None:
                 key = {**machine_key(), "target": _config_digest(target), "drafter": _config_digest(drafter)}
                 name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-                profile.attach(folder / f"{name}.json", key)
+                profile.attach(folder / (subfolder or "") / f"{name}.json", key)
         return profile

@@ -39,7 +39,7 @@ from adaflash_hf.chat import render_prompt
 from adaflash_hf.generation import planner as planner_module
 
 from .ab import load_for_ab, speedup_cell
-from .harness import method_config
+from .harness import method_config, own_profile
 
 # the planner's switches this compares, on and off, with their variants' labels
 SWITCHES = {
@@ -76,7 +76,7 @@ def measure(
 ) -> dict:
     """Per variant and plain: ``(tokens, seconds)`` per call; per variant, its steps by kind."""
     chosen = variants(methods, switch)
-    copies = {name: copy.deepcopy(drafter) for name, _, _ in chosen}
+    copies = {name: own_profile(target, copy.deepcopy(drafter), name) for name, _, _ in chosen}
     tokenizer.padding_side = "left"
     rendered = [render_prompt(tokenizer, text) for text in texts]
     batches = [rendered[i : i + batch_size] for i in range(0, len(rendered) - batch_size + 1, batch_size)]

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import GenerationConfig
 
+from adaflash_hf.generation.profile import profile_for
 from adaflash_hf.generation.stats import record_stats
 from adaflash_hf.generation.stopping import cut_after_eos
 from adaflash_hf.generation.verify_layout import KERNELS
@@ -307,12 +308,12 @@ def run_benchmark(
     one per drafter object): what one method's calls measure and learn (step costs, drafting's rate, the length head's
     calibration) does not price another's steps, as a user running one method alone would see it. Shared, the
     hybrid's tree steps priced the planner's widths and moved its rate (BENCHMARKS.md section 30). With a profile
-    folder the copies read the same file, and the last one to save writes it.
+    folder each copy keeps its file in a subfolder named after its method (`own_profile`).
     """
     dtype = str(target.dtype).replace("torch.", "")
     counter = ForwardCounter(target)
     own = {
-        method: copy.deepcopy(drafter)
+        method: own_profile(target, copy.deepcopy(drafter), method)
         for method in methods
         if drafter is not None and method_kwargs(method, drafter).get("assistant_model") is drafter
     }
@@ -416,6 +417,14 @@ def _decode_speed(tally) -> float:
     """Tokens per second of the calls' time after their prefill."""
     seconds = sum(s for _, s in tally.decode_calls) if tally else 0.0
     return tally.tokens / seconds if seconds else 0.0
+
+
+def own_profile(target, drafter, name: str):
+    """``drafter`` (a method's copy, not used yet), its runtime profile kept in the subfolder ``name`` of the profile
+    folder, if there is one: the copies' files share a name (`profile.profile_for`), so that in one folder a copy
+    first used after another's call would start from what that call saved, and they would overwrite each other's."""
+    profile_for(target, drafter, subfolder=name)
+    return drafter
 
 
 def method_config(target, method: str, max_new_tokens: int, drafter=None, ar_draft=None):

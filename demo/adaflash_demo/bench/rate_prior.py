@@ -38,6 +38,7 @@ from adaflash_hf.generation.draft_head import DraftHead
 from adaflash_hf.generation.planner import VerificationPlanner
 
 from .ab import load_for_ab, speedup_cell
+from .harness import own_profile
 from .kernels import FunctionMode
 
 CONSTANTS = ("RATE_PRIOR_STEPS", "DRAFTED_EMA", "DRAFTING_BOUND_Z", "PROBE_SAMPLES", "START_ON_RATE")
@@ -97,7 +98,7 @@ def measure(target, tokenizer, drafter, texts: list[str], max_new_tokens: int, r
     variant has its own copy of the drafter, so its own runtime profile: what one variant's calls measured and
     learnt (drafting's rate above all) is not the other's prior."""
     chosen = variants(names)
-    copies = {name: copy.deepcopy(drafter) for name in chosen}
+    copies = {name: own_profile(target, copy.deepcopy(drafter), name) for name in chosen}
     plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
     configs = {
         name: GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, adaflash_length_policy=policy)
