@@ -347,21 +347,27 @@ def test_the_step_trace_writes_one_character_per_step_and_each_drafted_width_und
     assert step_line(steps) == (".p39", "  59")
 
 
-def test_each_method_that_drafts_learns_on_its_own_copy_of_the_drafter(word_tokenizer, monkeypatch):
-    # one method's measured costs and rates must not price another's steps (one runtime profile per drafter object)
-    monkeypatch.setenv("ADAFLASH_HF_PROFILE_DIR", "off")
+def _bench_the_drafting_methods(tokenizer, drafter=None):
+    """Runs plain, the planner and the hybrid on a tiny pair; returns ``(target, drafter)``."""
     target = tiny_target()
     target.generation_config.pad_token_id = 2
-    word_tokenizer.padding_side = "left"
-    drafter = tiny_drafter(target)
+    tokenizer.padding_side = "left"
+    drafter = tiny_drafter(target) if drafter is None else drafter(target)
     run_benchmark(
         target,
-        word_tokenizer,
+        tokenizer,
         {"x": ["abc", "de"]},
         drafter=drafter,
         methods=("plain", "adaflash_planned", "adaflash_hybrid"),
         max_new_tokens=6,
     )
+    return target, drafter
+
+
+def test_each_method_that_drafts_learns_on_its_own_copy_of_the_drafter(word_tokenizer, monkeypatch):
+    # one method's measured costs and rates must not price another's steps (one runtime profile per drafter object)
+    monkeypatch.setenv("ADAFLASH_HF_PROFILE_DIR", "off")
+    target, drafter = _bench_the_drafting_methods(word_tokenizer)
     assert not profile_for(target, drafter).cost_table(target.device, target.dtype).step_s  # the original ran nothing
 
 
@@ -369,25 +375,19 @@ def test_with_a_profile_folder_each_methods_copy_keeps_a_file_of_its_own(word_to
     # the copies' files share a name (keyed by the drafter's configuration): in one folder, a copy first used after
     # another method's call would start from what that call saved
     monkeypatch.setenv("ADAFLASH_HF_PROFILE_DIR", str(tmp_path))
-    target = tiny_target()
-    target.generation_config.pad_token_id = 2
-    word_tokenizer.padding_side = "left"
-    drafter = tiny_drafter(target)
-    profile_for(target, tiny_drafter(target)).save(force=True)  # a file of the drafter's configuration, as a user's
-    (shared,) = tmp_path.glob("*.json")
-    shared.write_text("not json")  # a copy that read it would warn and rewrite it
-    run_benchmark(
-        target,
-        word_tokenizer,
-        {"x": ["abc", "de"]},
-        drafter=drafter,
-        methods=("plain", "adaflash_planned", "adaflash_hybrid"),
-        max_new_tokens=6,
-    )
-    assert shared.read_text() == "not json"
+    shared = []
+
+    def drafter(target):
+        profile_for(target, tiny_drafter(target)).save(force=True)  # a file of the drafter's configuration
+        shared.extend(tmp_path.glob("*.json"))
+        shared[0].write_text("not json")  # a copy that read it would warn and rewrite it
+        return tiny_drafter(target)
+
+    _bench_the_drafting_methods(word_tokenizer, drafter)
+    assert len(shared) == 1 and shared[0].read_text() == "not json"
     for method in ("adaflash_planned", "adaflash_hybrid"):
         (own,) = (tmp_path / method).glob("*.json")
-        assert own.name == shared.name and json.loads(own.read_text())["profile"]["cost_tables"]
+        assert own.name == shared[0].name and json.loads(own.read_text())["profile"]["cost_tables"]
 
 
 def test_the_hybrid_bounds_price_what_each_step_would_commit():
