@@ -85,7 +85,7 @@ def context_groups(mode: str, valid: torch.Tensor | None, cache, device: torch.d
     every = [list(range(batch))]
     if valid is None or batch < 2 or not _mode_allows(mode, device):
         return every
-    if bool(valid.all()) or not _assembled(cache):
+    if not _assembled(cache) or bool(valid.all()):  # the cache's check first: every later draft fails it
         return every
     first = valid.int().argmax(-1)  # each row's first token
     return groups((valid.shape[1] - first).tolist())
