@@ -114,7 +114,8 @@ class StepPlan(Protocol):
         ``drafted`` positions of the block and ``adaflash_tree_budget``."""
 
     def untimed(self) -> None:
-        """This step ran a one-off cost (a measurement of the draft head's dtype): not a price of anything."""
+        """This step ran a one-off cost (a measurement of the draft head's dtype, a call's first read of the prompts):
+        not a price of anything."""
 
     def trial(self) -> None:
         """This step's forward timed one of the candidate kernels for its token count (`verify_layout.py`)."""
