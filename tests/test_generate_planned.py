@@ -838,7 +838,7 @@ def test_a_calls_first_draft_reading_every_prompt_is_kept_out_of_the_drafts_pric
 
     monkeypatch.setattr(AdaFlashCandidateGenerator, "draft", reading)
     if not kept_out:  # the negative control: nothing marks the read
-        monkeypatch.setattr(VerificationPlanner, "untimed", lambda self: None)
+        monkeypatch.setattr(VerificationPlanner, "read_prompts", lambda self: None)
     _forced(monkeypatch, lambda step, rows, cap: [2] * len(rows))  # the first step drafts every row
     ids, mask = left_pad(PROMPTS[:3])
     _generate(target, drafter, ids, mask, None, adaflash_draft_head_dtype="same", adaflash_verify_layout="linear")

@@ -229,9 +229,7 @@ class SpeculativeDecoding:
                 drafts = generator.probe(anchors, self.next_positions, self.sequences, lengths, max_drafts, rows)
             else:
                 if generator.reads_prompts:
-                    # a call's first draft reads every row's prompt, at batch 8 twice a later draft: a one-off cost
-                    # that, taken into the draft's price, priced drafted widths too dear for the next calls
-                    plan.untimed()
+                    plan.read_prompts()
                 drafts = generator.draft(
                     anchors, self.next_positions, self.sequences, lengths, max_drafts, rows, projected
                 )

@@ -114,8 +114,10 @@ class StepPlan(Protocol):
         ``drafted`` positions of the block and ``adaflash_tree_budget``."""
 
     def untimed(self) -> None:
-        """This step ran a one-off cost (a measurement of the draft head's dtype, a call's first read of the prompts):
-        not a price of anything."""
+        """This step ran a one-off cost (a measurement of the draft head's dtype): not a price of anything."""
+
+    def read_prompts(self) -> None:
+        """This step's draft read every row's prompt (a call's first draft): not the price of a draft."""
 
     def trial(self) -> None:
         """This step's forward timed one of the candidate kernels for its token count (`verify_layout.py`)."""
@@ -149,6 +151,9 @@ class PolicyPlan:
         return num_drafts, budget
 
     def untimed(self) -> None:
+        pass
+
+    def read_prompts(self) -> None:
         pass
 
     def trial(self) -> None:

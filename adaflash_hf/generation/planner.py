@@ -643,6 +643,7 @@ class VerificationPlanner:
         self._drafted_at: float | None = None  # when this step's draft ended (`after_draft`); None: no draft ran
         self._probing = False
         self._untimed = False
+        self._read_prompts = False
         self._trial = False
         self._shadow_now = False  # this step is a probe: the drafter drafts, the target verifies the anchor only
         self._shadow_drafted = False  # and the drafter did draft (no row's budget left room: a plain step)
@@ -1193,10 +1194,17 @@ class VerificationPlanner:
 
     def untimed(self) -> None:
         """Keeps the next observed step out of the cost table and the rates: it ran a one-off cost (the draft head's
-        dtype trials of a pair's first drafts time bfloat16 products that can cost several times the float32 ones; a
-        call's first draft reads every row's prompt), which would price its width and the draft, and tell drafting
-        apart from plain steps, wrongly."""
+        dtype trials of a pair's first drafts time bfloat16 products that can cost several times the float32 ones),
+        which would price its width and tell drafting apart from plain steps wrongly."""
         self._untimed = True
+
+    def read_prompts(self) -> None:
+        """The next observed step's draft read every row's prompt (a call's first draft): at batch 8 two to three
+        times a later draft, once a call. Kept out of the draft's price (`CostTable.draft_s`, a moving average that
+        prices every later drafted width: on a Zen 4 at 0.111 s against 44-55 ms, BENCHMARKS.md section 38), it still
+        counts where the call paid it: in its width's cost (the median of several steps) and in drafting's rate,
+        where a math call's first drafted step is often its most productive one (section 39)."""
+        self._read_prompts = True
 
     def trial(self) -> None:
         """The next observed step's forward timed one of the candidate kernels for its token count
@@ -1216,6 +1224,7 @@ class VerificationPlanner:
 
     def _observe(self, rows, width, accepted, offered, seconds) -> float:
         timed, self._untimed = not self._untimed, False
+        read, self._read_prompts = self._read_prompts, False
         trial, self._trial = self._trial and timed, False
         if self._shadow_drafted:  # a plain step plus a draft: what it adds to a plain step is the probe's cost
             plain = self.table.cost(len(rows), 1)
@@ -1247,7 +1256,7 @@ class VerificationPlanner:
             plain = self.table.cost(len(rows), 1)
             self._promoted = plain is not None and (float(got.sum()) + len(rows)) / seconds >= len(rows) / plain
         if timed:
-            if self._drafted_at is not None:
+            if self._drafted_at is not None and not read:
                 self.table.observe_draft(len(rows), self._drafted_at - self._started)
             self._add_drafted_sample(len(rows), float(got.sum()) + len(rows), seconds)
         if self._expected_accepted is not None:
