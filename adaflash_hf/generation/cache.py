@@ -95,10 +95,16 @@ class ReservedLayer(DynamicLayer):
         super().reset()
 
 
+def empty_in_memory(cache) -> bool:
+    """Whether ``cache`` holds no column yet and keeps its layers in memory (not offloaded): what may lay its layers
+    out anew (`reserve`, `prefill.lay_out`)."""
+    return not getattr(cache, "offloading", False) and cache.get_seq_length() == 0
+
+
 def reserve(cache, capacity: int) -> None:
     """Replaces the empty full-attention layers of ``cache`` by `ReservedLayer` s of ``capacity`` columns (a
     lazily built cache has no layers yet and is left as it is)."""
-    if getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
+    if not empty_in_memory(cache):
         return
     cache.layers = [ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .cache import ReservedLayer
+from .cache import ReservedLayer, empty_in_memory
 
 PREFILL_MODES = ("auto", "ragged", "padded")
 # What one more forward costs, in prompt tokens of the same forward: on a CPU a forward's fixed part (30 layers'
@@ -98,9 +98,7 @@ def _mode_allows(mode: str, device: torch.device) -> bool:
 def _assembled(cache) -> bool:
     """Whether `lay_out` can fill ``cache``: empty, not offloaded, every layer a full-attention `DynamicLayer` (a
     sliding window keeps state of its own)."""
-    if getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
-        return False
-    return all(type(layer) in (DynamicLayer, ReservedLayer) for layer in cache.layers)
+    return empty_in_memory(cache) and all(type(layer) in (DynamicLayer, ReservedLayer) for layer in cache.layers)
 
 
 def ragged_prefill(target, input_ids, attention_mask, positions, cache, hidden_layers, features, spans):
