@@ -50,17 +50,29 @@ class ReservedLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (keys, values, columns) as the last update left them: while the layer still holds those very tensors (no
+        # crop, row selection or compaction since), the next update skips `_holds`' checks, which at one row of a
+        # short prompt cost as much as the copy this layer saves
+        self._last: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length, new = self.get_seq_length(), key_states.shape[-2]
-        if not self._holds(length + new, key_states, value_states):
-            self._reserve(length, length + new, key_states, value_states)
+        new, last = key_states.shape[-2], self._last
+        if last is not None and last[0] is self.keys and last[1] is self.values:
+            length = last[2]
+            if length + new > self._buffers[0].shape[-2]:
+                self._reserve(length, length + new, key_states, value_states)
+        else:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            length = self.get_seq_length()
+            if not self._holds(length + new, key_states, value_states):
+                self._reserve(length, length + new, key_states, value_states)
         keys, values = self._buffers
-        keys[..., length : length + new, :].copy_(key_states)
-        values[..., length : length + new, :].copy_(value_states)
-        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+        end = length + new
+        keys.narrow(-2, length, new).copy_(key_states)
+        values.narrow(-2, length, new).copy_(value_states)
+        self.keys, self.values = keys.narrow(-2, 0, end), values.narrow(-2, 0, end)
+        self._last = (self.keys, self.values, end)
         return self.keys, self.values
 
     def _holds(self, total: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
@@ -91,7 +103,7 @@ class ReservedLayer(DynamicLayer):
         self._buffers = tuple(buffers)
 
     def reset(self) -> None:
-        self._buffers = None
+        self._buffers, self._last = None, None
         super().reset()
 
 
