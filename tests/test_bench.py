@@ -436,11 +436,12 @@ def test_the_projection_ab_switches_the_planners_projection_and_the_heads_kernel
     try:
         rate_prior._set(before)
         assert planner.projected([0], torch.tensor([0.1]), cap) is cap  # the whole block projected
-        assert DraftHead._kernel(None, torch.float32, 3) == ("linear", None)
+        head = DraftHead(torch.nn.Linear(8, 32, bias=False))
+        assert head._choice_key(3)[2:] == (True, False)  # the dtype measured, no kernel
         assert isinstance(verify_layout.routed([], "onednn"), FunctionMode)  # and section 36's routing undone
     finally:
         rate_prior._set(rate_prior.SHIPPED)
     assert VerificationPlanner.projected is rate_prior.METHODS["projected"]
-    assert DraftHead._kernel is rate_prior.METHODS["_kernel"]
+    assert DraftHead._choice_key is rate_prior.METHODS["_choice_key"]
     assert verify_layout.routed is rate_prior.METHODS["routed"]
     assert planner.projected([0], torch.tensor([0.1]), cap).tolist() == [1]  # no width measured: one draft

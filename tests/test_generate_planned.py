@@ -17,7 +17,7 @@ from adaflash_hf.generation import planner as planner_module
 from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
 from adaflash_hf.generation.measured import MeasuredChoice
 from adaflash_hf.generation.planner import CostTable, VerificationPlanner
-from adaflash_hf.generation.profile import HEAD_DTYPE_TRIALS, profile_for
+from adaflash_hf.generation.profile import HEAD_KERNEL_TRIALS, profile_for
 from adaflash_hf.generation.verify_layout import VerifyLayout
 
 PLANNED = dict(adaflash_length_policy="planned")
@@ -817,8 +817,11 @@ def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monke
     profile_for(target, drafter).reset()  # the pair measures its draft head's dtype afresh
     config.adaflash_verify_layout = "linear"  # no layout trials: every mark is a dtype trial (test_verify_layout.py)
     target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
-    # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype: those drafts are marked
-    assert 0 < len(marked) <= 2 * HEAD_DTYPE_TRIALS
+    # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype per number of projected
+    # positions: those drafts are marked (a probe's block and a drafted step's few drafts are two counts)
+    choice = profile_for(target, drafter).head_kernels
+    counts = {key[1] for key in [*choice.choices, *choice.timings]}
+    assert counts and 0 < len(marked) <= 2 * HEAD_KERNEL_TRIALS * len(counts)
 
 
 @pytest.mark.parametrize("kept_out", [True, False])

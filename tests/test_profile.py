@@ -78,7 +78,7 @@ def test_reset_forgets_every_measurement(folder):
     profile = profile_for(target, drafter)
     assert profile.to_dict()["cost_tables"]
     profile.reset()
-    assert profile.to_dict() == {"cost_tables": {}, "head_dtypes": [], "layouts": [], "head_kernels": []}
+    assert profile.to_dict() == {"cost_tables": {}, "layouts": [], "head_kernels": []}
 
 
 @pytest.mark.parametrize(
@@ -115,22 +115,21 @@ def test_profiles_stay_in_memory_when_asked(tmp_path, monkeypatch):
 def test_the_file_form_round_trips():
     profile = RuntimeProfile()
     profile.cost_table(torch.device("cpu"), torch.float32).observe(3, 2, 0.25)
-    profile.head_dtypes.choices[("cpu", (128, 64), (2, 77))] = torch.bfloat16
     profile.layouts.choices[3] = "transposed"
-    profile.head_kernels.choices[(("cpu", (128, 64), None), 2)] = "onednn"
+    profile.head_kernels.choices[(("cpu", (128, 64), None), 2, True, True)] = "onednn"
+    profile.head_kernels.choices[(("cpu", (128, 64), (2, 77)), 15, True, True)] = "bfloat16"
     state = json.loads(json.dumps(profile.to_dict()))
     copy = RuntimeProfile()
     copy.load_dict(state)
     assert copy.to_dict() == profile.to_dict()
     assert (
-        copy.head_dtypes.chosen(("cpu", (128, 64), (2, 77))) is torch.bfloat16
-        and copy.layouts.chosen(3) == "transposed"
-        and copy.head_kernels.chosen((("cpu", (128, 64), None), 2)) == "onednn"
+        copy.layouts.chosen(3) == "transposed"
+        and copy.head_kernels.chosen((("cpu", (128, 64), None), 2, True, True)) == "onednn"
+        and copy.head_kernels.chosen((("cpu", (128, 64), (2, 77)), 15, True, True)) == "bfloat16"
     )
-    del state["head_kernels"]  # a file written before draft heads had kernels: they are measured afresh
-    older = RuntimeProfile()
-    older.load_dict(state)
-    assert older.layouts.chosen(3) == "transposed" and older.head_kernels.choices == {}
+    state["head_kernels"][0][1] = "float8"
+    with pytest.raises(ValueError, match="unknown layout 'float8'"):
+        RuntimeProfile().load_dict(state)
 
 
 def test_a_profile_of_one_path_rate_stands_for_every_depth():

@@ -279,7 +279,7 @@ def test_layout_trials_are_told_to_the_planner_as_trials(monkeypatch):
 
     monkeypatch.setattr(VerifyLayout, "layout", counted)
     # no kernel trials of the draft head's product either (test_draft_head.py): every mark is a layout trial
-    monkeypatch.setattr(DraftHead, "_kernel", lambda self, dtype, positions: ("linear", None))
+    monkeypatch.setattr(DraftHead, "_choice_key", lambda self, positions: (self._key, positions, False, False))
     config = GenerationConfig(
         max_new_tokens=20,
         do_sample=False,

@@ -223,8 +223,6 @@ class SpeculativeDecoding:
         if not drafter_ran:
             drafts = generator.skip(anchors)  # a plain step: the drafter's context waits for the next draft
         else:
-            if generator.draft_head.dtype is None:
-                plan.untimed()  # the draft head still times its dtypes in this draft
             if plan.probing():  # a probe's drafts are scored, not verified: only the rows the plan asked draft
                 drafts = generator.probe(anchors, self.next_positions, self.sequences, lengths, max_drafts, rows)
             else:
@@ -233,7 +231,9 @@ class SpeculativeDecoding:
                 drafts = generator.draft(
                     anchors, self.next_positions, self.sequences, lengths, max_drafts, rows, projected
                 )
-            if generator.draft_head.timed_kernel:
+            if generator.draft_head.timed_dtype:
+                plan.untimed()  # the draft head timed its dtypes in this draft, maybe a slow one (`draft_head.py`)
+            elif generator.draft_head.timed_kernel:
                 plan.trial()  # the draft head's product timed a kernel (`draft_head.py`), possibly the slow one
             drafts.num_drafts = plan.after_draft(row_list, drafts)
         drafted = self.recorder.clock()

@@ -7,10 +7,18 @@ cuts it by the vocabulary ratio; the step-cost model of BENCHMARKS.md §3 prices
 A bfloat16 copy of the same matrix halves the bytes and can run several times faster; but whether it does depends on
 more than the CPU: on one machine a standalone timing loop found bfloat16 several times faster, while inside the
 decoding loop, between target forwards, the same bfloat16 product was several times slower than float32. So the
-choice is measured where it is used:
-the first calls of each dtype inside generation, alternating, timed per projected position; then the faster one (by
-median, bfloat16 only if it wins by 20%) is kept in the pair's `profile.RuntimeProfile` (`measured.py`), with the
-bfloat16 copy.
+choice is measured where it is used, and per number of projected positions (rows x drafts,
+`verify_layout.measured_key`; larger counts one key per power of two): a projection streams the whole matrix
+whatever its positions, so one of 15 positions costs little more than one of 2, and a choice made by time *per
+position* compared a float32 trial of one draft with a bfloat16 trial of a probe's whole block, and could keep
+bfloat16 by that alone. A float32 head on a CPU also runs the product in the fastest of the verification kernels
+(`verify_layout.KERNELS`) for its positions: the planner projects only the drafts it verifies, 1-3 positions at
+batch 1 on most steps, where float32 ``linear`` on the vocabulary rows can cost as much as a whole block and the
+transposed product a quarter of it (BENCHMARKS.md section 35), and a probe's block of 15, where ``linear`` can cost
+several times bfloat16's product and the transposed one less than it. So the options are timed together, per
+position count, in the pair's `profile.RuntimeProfile` (`measured.py`): float32 ``linear`` (the head's own product,
+the baseline), the float32 kernels (kept if 10% faster), and the bfloat16 copy (kept if 20% faster; its logits
+differ a little, so it must win clearly); the first calls of each count rotate through them.
 
 Lossless either way: the drafts only *propose* tokens. Greedy verification keeps a draft only if it equals the
 float32 target's own choice; sampling draws the drafts from the distribution these logits define and accepts them
@@ -19,12 +27,8 @@ against that same distribution (docs/algorithm.md §3.4), so the output distribu
 ``GenerationConfig(adaflash_draft_head_dtype=...)`` overrides the choice: ``"auto"`` (the default, measured),
 ``"same"`` (the target head's own dtype, no copy) or a dtype name such as ``"bfloat16"``.
 
-A float32 head on a CPU also runs the product in the fastest of the verification kernels (`verify_layout.KERNELS`)
-for its number of projected positions (rows x drafts), measured the same way per `verify_layout.measured_key`: the
-planner projects only the drafts it verifies, 1-3 positions at batch 1 on most steps, where float32 ``linear`` on the
-vocabulary rows can cost as much as a whole block and the transposed product a quarter of it (BENCHMARKS.md
-section 35). ``adaflash_verify_layout`` applies here as in the target's forwards: ``"linear"`` never reroutes, a
-kernel's name always runs it.
+``adaflash_verify_layout`` applies here as in the target's forwards: ``"linear"`` never reroutes, a kernel's name
+always runs it (the dtype is still measured under ``"auto"``).
 
 A drafter with a reduced draft vocabulary (``AdaFlashConfig.draft_vocab``) projects with only those rows of the
 head (one copy per head, dtype and vocabulary), which divides the head's cost by the vocabulary ratio; the logits are
@@ -40,7 +44,7 @@ import time
 import torch
 
 from ..draft_vocab_rows import full_vocab_logits, vocab_ids, vocab_rows
-from .profile import RuntimeProfile
+from .profile import BFLOAT16, RuntimeProfile
 from .verify_layout import linear, measured_key
 
 DRAFT_HEAD_CHOICES = ("auto", "same")
@@ -119,13 +123,15 @@ class DraftHead:
         output_embeddings (`nn.Linear`): the target's LM head.
         dtype_name (`str`): ``adaflash_draft_head_dtype`` (see the module docstring).
         vocab (`list[int]`, *optional*): the drafter's reduced draft vocabulary (``AdaFlashConfig.draft_vocab``).
-        profile (`RuntimeProfile`, *optional*): where the dtype choice and the weight copies live (the pair's
+        profile (`RuntimeProfile`, *optional*): where the choices and the weight copies live (the pair's
             `profile.profile_for` in generation); a new one by default.
         layout (`str`): ``adaflash_verify_layout``: the float32 product's kernel, ``"auto"`` (measured per projected
             positions), ``"linear"`` (the module's own) or a kernel's name.
 
     Attributes:
-        timed_kernel (`bool`): the last call timed a kernel (a step a little slower than later ones).
+        timed_kernel (`bool`): the last call timed a float32 kernel (a step a little slower than later ones).
+        timed_dtype (`bool`): the last call timed an option while the dtype was still measured for its position
+            count (a bfloat16 product can cost several times a float32 one in the loop).
     """
 
     def __init__(
@@ -138,53 +144,59 @@ class DraftHead:
     ):
         self.head = output_embeddings
         self.layout = layout
-        self.timed_kernel = False
+        self.timed_kernel = self.timed_dtype = False
         self.profile = RuntimeProfile() if profile is None else profile
         weight = output_embeddings.weight
         self.vocab = None if vocab is None else _Vocab(vocab, weight.device)
         name = resolve_dtype_name(dtype_name)
-        self._fixed: torch.dtype | None = None  # None: "auto" on a float32 head, measured in use
-        if name == "same" or (name == "auto" and weight.dtype != torch.float32):
-            self._fixed = weight.dtype  # a half-precision head is already the cheap one
-        elif name != "auto":
-            self._fixed = getattr(torch, name)
+        # "auto" measures bfloat16 against a float32 head only: a half-precision head is already the cheap one
+        self._auto = name == "auto" and weight.dtype == torch.float32
+        self._dtype = weight.dtype if name in DRAFT_HEAD_CHOICES else getattr(torch, name)
+        self._kernels = self._dtype == torch.float32 and weight.device.type == "cpu"  # they reroute these only
 
-    @property
-    def dtype(self) -> torch.dtype | None:
-        """The dtype drafts are projected in; ``None`` while "auto" is still measuring."""
-        return self._fixed if self._fixed is not None else self.profile.head_dtypes.chosen(self._key)
+    def dtype(self, positions: int) -> torch.dtype | None:
+        """The dtype a projection of ``positions`` positions runs in; ``None`` while "auto" still measures it."""
+        if not self._auto:
+            return self._dtype
+        option = self.profile.head_kernels.chosen(self._choice_key(positions))
+        return None if option is None else (torch.bfloat16 if option == BFLOAT16 else torch.float32)
 
     @property
     def _key(self) -> tuple:
         weight = self.head.weight
         return (weight.device.type, tuple(weight.shape), None if self.vocab is None else self.vocab.key)
 
+    def _choice_key(self, positions: int) -> tuple:
+        """The `RuntimeProfile.head_kernels` key of a projection of ``positions`` positions: the head, the position
+        count (`measured_key`; above `MAX_MEASURED_TOKENS`, one per power of two, for the dtype alone) and what is
+        measured for it (`_candidates`)."""
+        tokens = measured_key(positions)
+        kernels = self._kernels and self.layout == "auto" and tokens is not None
+        tokens = tokens if tokens is not None else 1 << (max(positions, 1) - 1).bit_length()
+        return (self._key, tokens, self._auto, kernels)
+
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype, self.timed_kernel = self.dtype, False
-        if dtype is None:
-            choice = self.profile.head_dtypes
-            dtype = choice.next_trial(self._key)
-            logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile)
-            choice.record(self._key, dtype, seconds / max(hidden.shape[0] * hidden.shape[1], 1))
-            return logits
-        kernel, key = self._kernel(dtype, hidden.shape[0] * hidden.shape[1])
-        if key is None:
+        self.timed_kernel = self.timed_dtype = False
+        positions = hidden.shape[0] * hidden.shape[1]
+        key = self._choice_key(positions)
+        _, _, auto, kernels = key
+        choice = self.profile.head_kernels
+        option = choice.chosen(key) if auto or kernels else "linear"
+        if option is not None:
+            dtype, kernel = self._resolve(option, positions)
             return _project(self.head, hidden, dtype, self.vocab, self.profile, kernel)
+        option = choice.next_trial(key)
+        dtype, kernel = self._resolve(option, positions)
         logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile, kernel)
-        self.profile.head_kernels.record(key, kernel, seconds)
-        self.timed_kernel = True
+        choice.record(key, option, seconds)
+        self.timed_kernel, self.timed_dtype = True, auto
         return logits
 
-    def _kernel(self, dtype: torch.dtype, positions: int) -> tuple[str, tuple | None]:
-        """``(kernel, key)`` of a projection of ``positions`` positions in ``dtype``: ``key`` when this call times
-        the kernel (`RuntimeProfile.head_kernels`), else ``None``."""
-        tokens = measured_key(positions)
-        if dtype != torch.float32 or self.head.weight.device.type != "cpu" or tokens is None:
-            return "linear", None  # the kernels reroute float32 products on a CPU only
-        if self.layout != "auto":
-            return self.layout, None
-        key = (self._key, tokens)
-        choice = self.profile.head_kernels
-        chosen = choice.chosen(key)
-        return (chosen, None) if chosen is not None else (choice.next_trial(key), key)
+    def _resolve(self, option: str, positions: int) -> tuple[torch.dtype, str]:
+        """``(dtype, kernel)`` of a head choice's option."""
+        if option == BFLOAT16:
+            return torch.bfloat16, "linear"
+        if self._kernels and self.layout != "auto" and measured_key(positions):
+            return torch.float32, self.layout  # a kernel named: the float32 option runs it
+        return self._dtype, option

@@ -6,7 +6,7 @@ loop on the same machine; the target's float32 GEMMs on 2-7 tokens (`verify_layo
 than the other inside a forward, which a microbenchmark with the weights in cache does not show (BENCHMARKS.md §3).
 So the loop times them where they are used: the first calls of each key rotate through the options (the one timed
 fewest times runs next, so all see the same conditions), and after `trials` timings of each the fastest candidate
-by median is kept if it beats the baseline by the margin, else the baseline. A trial of a slow option is a slow step
+by median is kept if it beats the baseline by its margin, else the baseline. A trial of a slow option is a slow step
 of the caller's, so a candidate that one timing shows far slower than the baseline (``drop``) is timed no more for
 that key: it could win only by a timing error several times the spread of a step's time.
 
@@ -29,8 +29,9 @@ class MeasuredChoice:
         baseline: the option kept unless a candidate is clearly faster.
         candidates (`tuple`): the options timed against it.
         trials (`int`): timings of each option before the key is decided.
-        margin (`float`): the fastest candidate is chosen when its median time is below ``margin`` times the
-            baseline's.
+        margin (`float`): a candidate can be chosen when its median time is below ``margin`` times the
+            baseline's; the fastest such candidate is.
+        margins (`dict`, *optional*): ``option -> margin`` for the candidates whose margin is not ``margin``.
         lock (`threading.RLock`, *optional*): the lock guarding the bookkeeping (its owner's; a new one by default).
         candidates_for (`Callable`, *optional*): ``key -> candidates`` timed for that key (a subset of
             ``candidates``; all of them by default), where some are known not to be worth their trials.
@@ -39,12 +40,21 @@ class MeasuredChoice:
     """
 
     def __init__(
-        self, baseline, candidates: tuple, trials: int, margin: float, lock=None, candidates_for=None, drop=None
+        self,
+        baseline,
+        candidates: tuple,
+        trials: int,
+        margin: float,
+        lock=None,
+        candidates_for=None,
+        drop=None,
+        margins: dict | None = None,
     ):
         self.baseline, self.candidates = baseline, tuple(candidates)
         self.candidates_for = candidates_for
         self.trials_per_option = trials
         self.margin = margin
+        self.margins = {} if margins is None else dict(margins)
         self.drop = drop
         self.choices: dict[Hashable, object] = {}  # key -> the option kept
         self.timings: dict[Hashable, dict[object, list[float]]] = {}  # key -> option -> seconds, while measuring
@@ -83,8 +93,9 @@ class MeasuredChoice:
                     del timings[option]
             if all(len(times) >= self.trials_per_option for times in timings.values()):
                 medians = {option: statistics.median(times) for option, times in timings.items()}
-                best = min(medians, key=lambda option: (option == self.baseline, medians[option]))
-                self.choices[key] = best if medians[best] < self.margin * medians[self.baseline] else self.baseline
+                base = medians.pop(self.baseline)
+                winners = [o for o, m in medians.items() if m < self.margins.get(o, self.margin) * base]
+                self.choices[key] = min(winners, key=medians.get) if winners else self.baseline
                 self.timings.pop(key, None)
 
     def clear(self) -> None:

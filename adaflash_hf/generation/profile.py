@@ -34,15 +34,15 @@ from ..machine import machine_info
 from ..utils import write_json_atomic
 from .measured import MeasuredChoice
 from .planner import CostTable
-from .verify_layout import KERNELS, kernels_for
+from .verify_layout import KERNELS, MAX_MEASURED_TOKENS, kernels_for
 
-# 4: kernels reroute the linear layers only (their costs and the steps' prices changed); 3: four kernels; 2: three
-PROFILE_FORMAT = 4
+# 5: the draft head's dtype is chosen with its kernels, per position count; 4: kernels reroute the linear layers only
+# (their costs and the steps' prices changed); 3: four kernels; 2: three
+PROFILE_FORMAT = 5
 PROFILE_DIR_ENV = "ADAFLASH_HF_PROFILE_DIR"
 SAVE_INTERVAL_S = 60.0  # cost tables are rewritten at most this often; a new decision is written at once
-HEAD_DTYPE_TRIALS = 3  # timed draft-head calls of each dtype before "auto" decides
 LAYOUT_TRIALS = 2  # timed forwards of each layout per token count (a forward costs about a plain step)
-HEAD_KERNEL_TRIALS = 3  # timed draft-head products of each kernel per position count (each a few milliseconds)
+HEAD_KERNEL_TRIALS = 3  # timed draft-head products of each option per position count (each a few milliseconds)
 # A kernel whose timed forward costs this many times the model's own is timed no more for that token count: four
 # kernels' trials of two forwards each are the dearest steps of a pair's first calls (BENCHMARKS.md section 24)
 LAYOUT_DROP = 1.25
@@ -52,25 +52,33 @@ _PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PROFILES_LOCK = threading.Lock()
 
 
+# the draft head's option that projects with a bfloat16 copy; every other option is a float32 kernel
+BFLOAT16 = "bfloat16"
+
+
+def head_candidates(key: tuple) -> tuple[str, ...]:
+    """The options timed against float32 ``linear`` for a `draft_head.DraftHead._choice_key`: the verification
+    kernels for its position count (`verify_layout.kernels_for`) where they are measured, and the bfloat16 copy under
+    "auto"."""
+    _, tokens, auto, kernels = key
+    return (kernels_for(tokens) if kernels and tokens <= MAX_MEASURED_TOKENS else ()) + ((BFLOAT16,) if auto else ())
+
+
 class RuntimeProfile:
     """The measurements of one (target, drafter) pair (see the module docstring).
 
     Attributes:
         lock (`threading.RLock`): guards every table below.
-        head_dtypes (`MeasuredChoice`): float32 or bfloat16 for the draft head, by (device, head shape, vocabulary).
         layouts (`MeasuredChoice`): the linear kernel of the loop's forwards (``"linear"``, ``"transposed"``,
             ``"onednn"``, ``"blocked"``: `verify_layout.KERNELS`), by `verify_layout.measured_key` of their tokens.
-        head_kernels (`MeasuredChoice`): the same kernels for a float32 draft head's product, by (head, the
-            `verify_layout.measured_key` of its projected positions).
+        head_kernels (`MeasuredChoice`): the same kernels, or a bfloat16 copy, for a float32 draft head's product,
+            by `draft_head.DraftHead`'s key (the head, its projected positions, what is measured for them).
     """
 
     def __init__(self):
         self.lock = threading.RLock()
-        # bfloat16 only if it wins by 20%; another verification kernel only if it wins by 10%, and a kernel one
-        # forward shows a quarter slower than the model's own is not timed again (`LAYOUT_DROP`)
-        self.head_dtypes = MeasuredChoice(
-            torch.float32, (torch.bfloat16,), trials=HEAD_DTYPE_TRIALS, margin=0.8, lock=self.lock
-        )
+        # another kernel only if it wins by 10%, and one that a forward shows a quarter slower than the model's own
+        # is not timed again (`LAYOUT_DROP`); the draft head's bfloat16 copy only if it wins by 20%
         self.layouts = MeasuredChoice(
             "linear",
             tuple(KERNELS)[1:],
@@ -82,12 +90,13 @@ class RuntimeProfile:
         )
         self.head_kernels = MeasuredChoice(
             "linear",
-            tuple(KERNELS)[1:],
+            (*tuple(KERNELS)[1:], BFLOAT16),
             trials=HEAD_KERNEL_TRIALS,
             margin=0.9,
             lock=self.lock,
-            candidates_for=lambda key: kernels_for(key[1]),
+            candidates_for=head_candidates,
             drop=LAYOUT_DROP,
+            margins={BFLOAT16: 0.8},
         )
         self._cost_tables: dict[tuple[str, str], CostTable] = {}
         # (dtype, vocabulary key) -> (the weight it was made from, its version then, the copy)
@@ -118,7 +127,6 @@ class RuntimeProfile:
     def reset(self) -> None:
         """Forgets every measurement and copy: the next calls measure again."""
         with self.lock:
-            self.head_dtypes.clear()
             self.layouts.clear()
             self.head_kernels.clear()
             self._cost_tables.clear()
@@ -142,9 +150,6 @@ class RuntimeProfile:
                     }
                     for (device, dtype), table in self._cost_tables.items()
                 },
-                "head_dtypes": [
-                    [_plain(key), str(dtype).removeprefix("torch.")] for key, dtype in self.head_dtypes.choices.items()
-                ],
                 "layouts": [[_plain(key), layout] for key, layout in self.layouts.choices.items()],
                 "head_kernels": [[_plain(key), kernel] for key, kernel in self.head_kernels.choices.items()],
             }
@@ -171,10 +176,7 @@ class RuntimeProfile:
                 if len(stored) != len(cost.path_acceptance):
                     raise ValueError(f"path_acceptance holds {len(stored)} depths, not {len(cost.path_acceptance)}")
                 cost.path_acceptance = [float(x) for x in stored]
-            for key, dtype in state["head_dtypes"]:
-                self.head_dtypes.choices[_hashable(key)] = getattr(torch, dtype)
-            kernels = state.get("head_kernels", [])  # a profile written before draft heads had kernels holds none
-            for stored, choice in ((state["layouts"], self.layouts), (kernels, self.head_kernels)):
+            for stored, choice in ((state["layouts"], self.layouts), (state["head_kernels"], self.head_kernels)):
                 for key, layout in stored:
                     if layout not in choice.options:
                         raise ValueError(f"unknown layout {layout!r}")
@@ -239,7 +241,7 @@ def _hashable(key):
 
 
 def _decisions(state: dict) -> tuple:
-    return tuple(json.dumps(state[name], sort_keys=True) for name in ("head_dtypes", "layouts", "head_kernels"))
+    return tuple(json.dumps(state[name], sort_keys=True) for name in ("layouts", "head_kernels"))
 
 
 def profile_dir() -> Path | None:

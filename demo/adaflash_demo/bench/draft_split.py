@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer, drafter, prompts = load_for_ab(parser, args)
     if args.whole_block:
         VerificationPlanner.projected = lambda self, rows, length_prediction, max_drafts: max_drafts
-        DraftHead._kernel = lambda self, dtype, positions: ("linear", None)
+        choice_key = DraftHead._choice_key  # the dtype still measured, the float32 product never rerouted
+        DraftHead._choice_key = lambda self, positions: (*choice_key(self, positions)[:3], False)
     forward, drafts, head, positions = [], [], [], []
     _timed(AdaFlashCandidateGenerator, "_forward", forward)
     _timed(AdaFlashCandidateGenerator, "_drafts", drafts)

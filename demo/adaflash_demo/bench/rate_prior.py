@@ -50,10 +50,15 @@ BEFORE_29 = {**WITHOUT_BOUND, "START_ON_RATE": False, "PROBE_SAMPLES": False}
 OWN_STEPS_ONLY = {**BEFORE_29, "RATE_PRIOR_STEPS": 0.0, "DRAFTED_EMA": planner_module.EMA}
 # what sections 35 and 36 changed, as functions: the chosen drafts projected, in the head's measured kernel (35);
 # the target's linear layers rerouted one by one, not by a mode that sees every torch call (36)
-METHODS = {"projected": VerificationPlanner.projected, "_kernel": DraftHead._kernel, "routed": verify_layout.routed}
+METHODS = {
+    "projected": VerificationPlanner.projected,
+    "_choice_key": DraftHead._choice_key,
+    "routed": verify_layout.routed,
+}
 BEFORE_35 = {
     "projected": lambda self, rows, length_prediction, max_drafts: max_drafts,
-    "_kernel": lambda self, dtype, positions: ("linear", None),
+    # the head's dtype still measured, its float32 product never rerouted
+    "_choice_key": lambda self, positions: (*METHODS["_choice_key"](self, positions)[:3], False),
 }
 BEFORE_36 = {
     "routed": lambda linears, kernel: contextlib.nullcontext() if kernel == "linear" else FunctionMode(kernel),
@@ -87,7 +92,7 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
 def _set(constants: dict) -> None:
     constants = {**METHODS, **constants}
     VerificationPlanner.projected = constants.pop("projected")
-    DraftHead._kernel = constants.pop("_kernel")
+    DraftHead._choice_key = constants.pop("_choice_key")
     verify_layout.routed = constants.pop("routed")
     for name, value in constants.items():
         setattr(planner_module, name, value)
