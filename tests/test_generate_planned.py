@@ -439,7 +439,11 @@ class _Clock:
         return self.now
 
 
-def _drive(planner, steps: int, agrees, costs: dict, draft_s: float = 0.2):
+# a draft whose probes the budget allows once in 20 plain steps of 1 s
+DRAFT_S = 20 * planner_module.PROBE_BUDGET
+
+
+def _drive(planner, steps: int, agrees, costs: dict, draft_s: float = DRAFT_S):
     """Runs the planner's side of ``steps`` loop steps of one row (a block of 15 drafts of token 7); the target
     commits 7 while ``agrees(step)``, else 8. Each step takes what ``costs`` say (a width they do not name, what the
     planner's table says), a probe a plain step and ``draft_s``. Returns per step (drafter ran, tokens verified)."""
@@ -490,9 +494,9 @@ def test_with_a_drafter_that_never_agrees_probes_verify_nothing_and_back_off(len
     assert len(drafted) <= 3 and all(i <= probes[0] + 5 for i in drafted)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes and gaps[-1] > gaps[1]  # ever rarer
-    # and never closer than keeps a draft of a fifth of a plain step within the budget (after the call's first)
-    assert min(gaps[1:]) >= math.ceil(0.2 / planner_module.PROBE_BUDGET)
-    assert len(probes) <= 7  # the drafter's cost over 200 steps is under 1%
+    # and never closer than keeps the draft within the budget (after the call's first)
+    assert min(gaps[1:]) >= math.ceil(DRAFT_S / planner_module.PROBE_BUDGET)
+    assert len(probes) <= 7  # the back-off: probes ever rarer, within the budget
 
 
 def test_a_drafted_step_at_a_new_row_count_is_priced_in_plain_steps_of_that_row_count():
@@ -561,7 +565,9 @@ def test_probes_stay_within_their_budget_where_a_draft_costs_a_whole_plain_step(
     # of the time on probes
     costs = {(1, 1): 1.0, (1, 2): 2.5, (1, 16): 4.0}
     planner = VerificationPlanner(CostTable(step_s=dict(costs)), 16, 1, torch.device("cpu"), length_head=True)
-    history = _drive(planner, 300, agrees=lambda step: False, costs=costs, draft_s=1.0)
+    history = _drive(
+        planner, int(3 / planner_module.PROBE_BUDGET), agrees=lambda step: False, costs=costs, draft_s=1.0
+    )
     probes = [i for i, (drafted, _) in enumerate(history) if drafted]
     assert all(width == 1 for _, width in history)
     assert min(b - a for a, b in zip(probes, probes[1:])) >= 1.0 / planner_module.PROBE_BUDGET
@@ -636,14 +642,14 @@ def test_with_a_length_head_a_call_drafts_at_once_where_drafting_paid_and_probes
     # `START_ON_RATE` (BENCHMARKS.md sections 28, 29): a call whose pair's drafting paid lately drafts from its first
     # step (an answer's first steps are where a code answer's drafts are accepted most), with no probe first
     costs = {(1, 1): 1.0, (1, 2): 1.3, (1, 16): 2.0}
-    table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, probe_s={1: 0.2}, drafted_speedup={1: 1.3})
+    table = CostTable(step_s=dict(costs), draft_s={1: DRAFT_S}, probe_s={1: DRAFT_S}, drafted_speedup={1: 1.3})
     planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
     assert planner.width([0], 16) == 16 and not planner._shadow_now
     # where it lost, plain steps, with probes at the budget's pace counted across calls: a call of 64 tokens whose
     # own plain steps had to reach the floor (here 20) would probe once at most, and never again
-    floor = math.ceil(0.2 / planner_module.PROBE_BUDGET)
+    floor = math.ceil(DRAFT_S / planner_module.PROBE_BUDGET)
     for idle, first_probe in ((floor, 0), (floor - 5, 5)):
-        table = CostTable(step_s=dict(costs), draft_s={1: 0.2}, probe_s={1: 0.2}, drafted_speedup={1: 0.7})
+        table = CostTable(step_s=dict(costs), draft_s={1: DRAFT_S}, probe_s={1: DRAFT_S}, drafted_speedup={1: 0.7})
         table.idle_steps = idle
         planner = VerificationPlanner(table, 16, 1, torch.device("cpu"), length_head=True)
         history = _drive(planner, 8, agrees=lambda step: False, costs=costs)
@@ -966,7 +972,7 @@ def test_a_probe_that_timed_a_one_off_trial_prices_probes_only_until_a_timed_one
     assert planner.probe_floor(1) == 0  # a one-off does not stretch the probes' budget
     table.observe_probe(1, 0.3)
     assert table.probe(1) == 0.3 and table.settled_probes() == {1: 0.3}  # replaced, not averaged in
-    assert planner.probe_floor(1) == 30
+    assert planner.probe_floor(1) == math.ceil(0.3 / planner_module.PROBE_BUDGET)
     table.observe_probe(1, 2.0, provisional=True)  # a later trial does not move a timed price
     assert table.probe(1) == 0.3
 

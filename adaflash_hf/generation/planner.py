@@ -45,9 +45,9 @@ measured one at a time: the next width beyond the widest measured wins where dra
 width between measured ones runs once when the width below it wins (once per width, pair and process). While plain
 steps win, no acceptance is observed, so the planner probes after ``probe_interval`` plain steps, and the interval
 doubles (up to `MAX_PROBE_INTERVAL`) each time the probe did not change the choice; it is never shorter than keeps the
-probes' cost within `PROBE_BUDGET` (1%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe costs
-its draft and the drafter's reading of the context queued since the last draft (`CostTable.probe_s`, apart from a
-drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1; at batch 8 a probe of every row
+probes' cost within `PROBE_BUDGET` (0.5%) of the plain steps' time (`VerificationPlanner.probe_interval`). A probe
+costs its draft and the drafter's reading of the context queued since the last draft (`CostTable.probe_s`, apart from
+a drafted step's draft, `CostTable.draft_s`): a small part of a plain step at batch 1; at batch 8 a probe of every row
 before the call's first real draft reads every prompt, more than a plain step (BENCHMARKS.md sections 18 and 31), so
 until the call drafts for real (`SAMPLE_PROBES`) a probe drafts one row, the rows taking turns, in a drafter cache of
 its own (`AdaFlashCandidateGenerator.probe`), and that row's block stands for the others' acceptance.
@@ -138,9 +138,11 @@ PROBE_WIDTH = 2
 MAX_PROBE_INTERVAL = 256
 # The most that probes may add to the time of plain steps: a probe is one draft, whose cost relative to a plain step
 # grows with the batch (BENCHMARKS.md section 17), so the plain steps between probes are at least the draft's cost
-# over this share of a plain step's. Half of the 2% that a drafter which never agrees may cost in all: the loop's own
-# work beside a plain forward takes the other half (BENCHMARKS.md section 20: 0.6% of a step on an AVX2-only core).
-PROBE_BUDGET = 0.01
+# over this share of a plain step's. A drafter that never agrees costs its probes at this share exactly (the budget,
+# not the back-off, sets their pace in calls of a few dozen tokens: BENCHMARKS.md section 40), beside the loop's own
+# work; at 1% such a drafter cost 1.1% at batch 1 pooled, and half of it changed no drafted cell of the shipped
+# drafter beyond its interval (section 41).
+PROBE_BUDGET = 0.005
 CALL_PROBE_INTERVAL = 16  # the longest back-off a new call starts from
 # With a length head, how many drafted steps the pair's earlier calls' rate counts as beside a call's own
 # (`_draft_or_plain`): half of a call's drafted steps on code accept nothing, and a call that judged drafting on its

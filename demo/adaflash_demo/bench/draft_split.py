@@ -12,6 +12,9 @@ positions, with how many drafts projected that many (probes project the whole bl
     ADAFLASH_HF_PROFILE_DIR=off OMP_NUM_THREADS=1 python -m adaflash_demo.bench.draft_split --domains code
 
 ``--whole-block`` projects every draft in the head's ``linear`` product, as before BENCHMARKS.md section 35.
+``--head-trials`` also prints each timed trial of the head's options (float32 kernels, the bfloat16 copy) per number
+of projected positions, and what was kept (with an empty ``ADAFLASH_HF_PROFILE_DIR``: a profile holds decided
+choices, which are not timed again).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from adaflash_hf.chat import render_prompt
 from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
 from adaflash_hf.generation.draft_head import DraftHead
 from adaflash_hf.generation.planner import VerificationPlanner
+from adaflash_hf.generation.profile import profile_for
 
 from .ab import load_for_ab
 
@@ -53,8 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-domain", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--whole-block", action="store_true", help="every draft projected, in linear")
+    parser.add_argument("--head-trials", action="store_true", help="print the head's timed options")
     args = parser.parse_args(argv)
     target, tokenizer, drafter, prompts = load_for_ab(parser, args)
+    choice = profile_for(target, drafter).head_kernels
+    trials = defaultdict(list)  # (positions key, option) -> seconds of each timed trial
+    record = choice.record
+
+    def recorded(key, option, seconds):
+        trials[(key[1], option)].append(seconds)
+        record(key, option, seconds)
+
+    choice.record = recorded
     if args.whole_block:
         VerificationPlanner.projected = lambda self, rows, length_prediction, max_drafts: max_drafts
         choice_key = DraftHead._choice_key  # the dtype still measured, the float32 product never rerouted
@@ -77,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = by_positions[n]
         medians = [1e3 * statistics.median(t[i] for t in rows) for i in range(3)]
         print(f"| {n} | {len(rows)} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
+    if args.head_trials:
+        kept = {key[1]: option for key, option in choice.choices.items()}
+        print("\n| positions (key) | option | trials ms | kept |")
+        print("|---|---|---|---|")
+        for (n, option), seconds in sorted(trials.items()):
+            timed = ", ".join(f"{1e3 * s:.2f}" for s in seconds)
+            print(f"| {n} | {option} | {timed} | {'yes' if kept.get(n) == option else ''} |")
     return 0
 
 

@@ -10,7 +10,9 @@ interleaved with plain ``generate()`` call by call (the order rotating), on the 
 every output asserted identical to plain's; and the planner as before section 35, whose drafts were all projected
 to logits in the head's ``linear`` product (``planner before section 35``: the A/B of `VerificationPlanner.projected`
 and the head's measured kernels, `draft_head.py`); and the planner as before section 36, whose forwards rerouted the
-target's linear layers from a `TorchFunctionMode` (``planner before section 36``: the A/B of `verify_layout.routed`):
+target's linear layers from a `TorchFunctionMode` (``planner before section 36``: the A/B of `verify_layout.routed`);
+and the planner whose probes stay within half the shipped budget (``planner with half the probe budget``,
+`planner.PROBE_BUDGET`):
 
     python -m adaflash_demo.bench.rate_prior --domains code,shell,chat --prompts-per-domain 16 --repeats 2
 
@@ -41,8 +43,10 @@ from .ab import load_for_ab, speedup_cell
 from .harness import own_profile
 from .kernels import FunctionMode
 
-CONSTANTS = ("RATE_PRIOR_STEPS", "DRAFTED_EMA", "DRAFTING_BOUND_Z", "PROBE_SAMPLES", "START_ON_RATE")
+CONSTANTS = ("RATE_PRIOR_STEPS", "DRAFTED_EMA", "DRAFTING_BOUND_Z", "PROBE_SAMPLES", "START_ON_RATE", "PROBE_BUDGET")
 SHIPPED = {name: getattr(planner_module, name) for name in CONSTANTS}
+# probes within half the shipped share of the plain steps' time (`planner.PROBE_BUDGET`)
+HALF_BUDGET = {**SHIPPED, "PROBE_BUDGET": SHIPPED["PROBE_BUDGET"] / 2}
 WITHOUT_BOUND = {**SHIPPED, "DRAFTING_BOUND_Z": 0.0}
 # before section 29: a call starts with a probe, its probes only start drafting, and its own mean alone stops it
 BEFORE_29 = {**WITHOUT_BOUND, "START_ON_RATE": False, "PROBE_SAMPLES": False}
@@ -70,6 +74,7 @@ ALL = (
     "planner without the bound",
     "planner before section 29",
     "planner on its own steps",
+    "planner with half the probe budget",
     "head's policy",
 )
 DEFAULT = ("planner", "planner before section 29", "head's policy")
@@ -84,6 +89,7 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
         "planner without the bound": ("planned", WITHOUT_BOUND),
         "planner before section 29": ("planned", BEFORE_29),
         "planner on its own steps": ("planned", OWN_STEPS_ONLY),
+        "planner with half the probe budget": ("planned", HALF_BUDGET),
         "head's policy": ("adaptive", SHIPPED),
     }
     return {name: every[name] for name in (DEFAULT if names is None else names)}
