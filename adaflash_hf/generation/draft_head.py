@@ -129,7 +129,8 @@ class DraftHead:
             positions), ``"linear"`` (the module's own) or a kernel's name.
 
     Attributes:
-        timed_kernel (`bool`): the last call timed a float32 kernel (a step a little slower than later ones).
+        timed_kernel (`bool`): the last call timed one of the head's options (a step a little slower than later
+            ones).
         timed_dtype (`bool`): the last call timed an option while the dtype was still measured for its position
             count (a bfloat16 product can cost several times a float32 one in the loop).
     """
@@ -169,7 +170,7 @@ class DraftHead:
     def _choice_key(self, positions: int) -> tuple:
         """The `RuntimeProfile.head_kernels` key of a projection of ``positions`` positions: the head, the position
         count (`measured_key`; above `MAX_MEASURED_TOKENS`, one per power of two, for the dtype alone) and what is
-        measured for it (`_candidates`)."""
+        measured for it (`profile.head_candidates`)."""
         tokens = measured_key(positions)
         kernels = self._kernels and self.layout == "auto" and tokens is not None
         tokens = tokens if tokens is not None else 1 << (max(positions, 1) - 1).bit_length()
