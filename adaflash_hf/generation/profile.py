@@ -34,7 +34,7 @@ from ..machine import machine_info
 from ..utils import write_json_atomic
 from .measured import MeasuredChoice
 from .planner import CostTable
-from .verify_layout import KERNELS, MAX_MEASURED_TOKENS, kernels_for
+from .verify_layout import KERNELS, kernels_for
 
 # 5: the draft head's dtype is chosen with its kernels, per position count; 4: kernels reroute the linear layers only
 # (their costs and the steps' prices changed); 3: four kernels; 2: three
@@ -58,10 +58,10 @@ BFLOAT16 = "bfloat16"
 
 def head_candidates(key: tuple) -> tuple[str, ...]:
     """The options timed against float32 ``linear`` for a `draft_head.DraftHead._choice_key`: the verification
-    kernels for its position count (`verify_layout.kernels_for`) where they are measured, and the bfloat16 copy under
-    "auto"."""
+    kernels for its position count (`verify_layout.kernels_for`) where they are measured (the key says so only up to
+    `verify_layout.MAX_MEASURED_TOKENS`), and the bfloat16 copy under "auto"."""
     _, tokens, auto, kernels = key
-    return (kernels_for(tokens) if kernels and tokens <= MAX_MEASURED_TOKENS else ()) + ((BFLOAT16,) if auto else ())
+    return (kernels_for(tokens) if kernels else ()) + ((BFLOAT16,) if auto else ())
 
 
 class RuntimeProfile:
