@@ -10,7 +10,7 @@ import torch
 from helpers import TickingClock, oracle_drafter, tiny_drafter, tiny_target
 from test_generate_batched import PAD, PROMPTS, alone, common_token, left_pad, rows_of
 from test_generate_sampling import NEW, PROMPT, SAMPLING, exact_joint, p_value
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import adaflash_hf
 from adaflash_hf.generation import planner as planner_module
@@ -58,6 +58,69 @@ CHOICES = {
     "zero every other step": lambda step, rows, cap: [7 * (step % 2)] * len(rows),
     "a random width": lambda step, rows, cap: [int(torch.randint(0, 8, ()))] * len(rows),
 }
+
+
+class _StopOnToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+class _Chunks:
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_one_row_calls_plain_steps_give_what_plain_decoding_gives(monkeypatch, do_sample):
+    """Every step plain: a call of one row takes them with Python integers (`SpeculativeDecoding._plain_step`).
+    Its tokens, scores, logits, streamed chunks, returned cache and stops (EOS, the budget, and a criterion of the
+    caller's, which the general commit cuts) are plain decoding's. Sampling draws the same tokens from the same
+    seed: no draft runs, and a plain step samples as plain decoding does."""
+    target, prompt = tiny_target(), PROMPTS[0]
+    drafter = tiny_drafter(target)
+    calls = _forced(monkeypatch, CHOICES["zero for every row"])
+    output = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
+    sampling = dict(do_sample=True, top_k=20) if do_sample else dict(do_sample=False)
+    free = alone(target, prompt, max_new_tokens=30, eos_token_id=None)
+    eos = free[12]
+    criteria = StoppingCriteriaList([_StopOnToken(free[6])])
+    ends = {"eos": ({"eos_token_id": eos}, None), "budget": ({"eos_token_id": None, "max_new_tokens": 9}, None)}
+    ends["criterion"] = ({"eos_token_id": None}, criteria)
+    for end, (kwargs, stopping_criteria) in ends.items():
+        kwargs = {"max_new_tokens": 30, "pad_token_id": PAD, **sampling, **output, **kwargs}
+        torch.manual_seed(0)
+        expected = target.generate(
+            torch.tensor([prompt]), generation_config=GenerationConfig(**kwargs), stopping_criteria=stopping_criteria
+        )
+        chunks, steps = _Chunks(), len(calls)
+        torch.manual_seed(0)
+        with adaflash_hf.record_stats() as stats:
+            out = target.generate(
+                torch.tensor([prompt]),
+                generation_config=GenerationConfig(**kwargs, **PLANNED),
+                assistant_model=drafter,
+                streamer=chunks,
+                stopping_criteria=stopping_criteria,
+            )
+        new = expected.sequences[0, len(prompt) :].tolist()
+        assert out.sequences.tolist() == expected.sequences.tolist(), end
+        assert len(new) < 30 or end == "eos" and do_sample
+        assert chunks.chunks == [prompt] + [[token] for token in new]
+        assert len(calls) - steps == len(new) - 1 == len(stats.steps)
+        assert all(step.verify_width == 1 and not step.drafter_ran for step in stats.steps)
+        for ours, theirs in zip(out.scores + out.logits, expected.scores + expected.logits, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        for ours, theirs in zip(out.cache.layers, expected.cache.layers, strict=True):
+            torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("choice", sorted(CHOICES))

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
 )
 
-from adaflash_hf.generation.processing import process_positions
+from adaflash_hf.generation.processing import argmax, process_positions
 
 VOCAB = 12
 
@@ -113,3 +113,19 @@ def test_length_bans_run_once_over_all_positions_and_match_rows_alone(monkeypatc
         torch.testing.assert_close(fast, expected)
         banned = fast[..., eos].isinf().all(-1)
         assert banned.any() and not banned.all()  # the bound falls inside the block for some rows
+
+
+def test_argmax_gives_torch_argmax_indices_ties_nan_and_infinities_included():
+    torch.manual_seed(0)
+    cases = [torch.randn(3, 4, 500), torch.randn(2, 500).round(), torch.full((2, 7), float("-inf"))]
+    ties = torch.randn(2, 500)
+    ties[:, [9, 3, 400]] = 50.0
+    nan = torch.randn(2, 500)
+    nan[0, [300, 7]] = float("nan")
+    nan[1, [20, 5]] = float("inf")
+    cases += [ties, nan, torch.randn(6, 500)[:, ::3], torch.randn(500, 4).t(), torch.randn(500)]
+    cases += [torch.randn(3, 500, dtype=dtype) for dtype in (torch.float16, torch.bfloat16, torch.float64)]
+    for logits in cases:
+        ours, theirs = argmax(logits), logits.argmax(dim=-1)
+        assert ours.dtype == torch.long and ours.shape == theirs.shape and torch.equal(ours, theirs)
+    assert argmax(ties).tolist() == [3, 3] and argmax(nan).tolist() == [7, 5]

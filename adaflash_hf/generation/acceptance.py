@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .processing import argmax
+
 
 def leading_true(flags: torch.Tensor) -> torch.LongTensor:
     """Length of the leading run of True per row: ``[B, k] -> [B]``."""
@@ -32,7 +34,7 @@ def greedy_acceptance(
     drafts: torch.LongTensor, target_logits: torch.Tensor, num_drafts: torch.LongTensor
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """drafts ``[B, k]``, target_logits ``[B, k + 1, V]``, num_drafts ``[B]`` -> (accepted ``[B]``, next ``[B]``)."""
-    choice = target_logits.argmax(dim=-1)
+    choice = argmax(target_logits)
     if drafts.shape[1] == 0:  # a plain step (the planner's): nothing to match, the target's token follows
         return choice.new_zeros(choice.shape[0]), choice[:, 0]
     accepted = leading_true((drafts == choice[:, :-1]) & _valid(num_drafts, drafts.shape[1]))

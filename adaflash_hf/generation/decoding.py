@@ -100,6 +100,8 @@ class SpeculativeDecoding:
         self.limit = self.max_new_tokens  # new tokens every row runs to
         eos = generation_config._eos_token_tensor
         self.eos = None if eos is None else eos.to(input_ids.device).flatten()
+        self.eos_ids = set() if self.eos is None else set(self.eos.tolist())
+        self.single = batch == 1  # a call of one row steps plainly with Python integers (`_plain_step`)
         self.stop_rule = StopRule(self.eos, stopping_criteria, self.max_new_tokens)
         keep = generation_config.return_dict_in_generate
         self.scores = [[] for _ in range(batch)] if keep and generation_config.output_scores else None
@@ -218,8 +220,10 @@ class SpeculativeDecoding:
             return verified
 
         start = self.recorder.clock()
-        anchors = self.sequences[rows, lengths - 1]
         drafter_ran = bool(max_drafts.gt(0).any())
+        if not drafter_ran and self.single and not (self.tree is not None and path_nodes and any(paths)):
+            return self._plain_step(int(lengths[0]), start)
+        anchors = self.sequences[rows, lengths - 1]
         if not drafter_ran:
             drafts = generator.skip(anchors)  # a plain step: the drafter's context waits for the next draft
         else:
@@ -268,6 +272,57 @@ class SpeculativeDecoding:
                 for name, pair in (v.by_source or {}).items()
                 for kind, values in zip(("accepted", "offered"), pair)
             },
+        )
+
+    def _plain_step(self, length: int, start: float) -> None:
+        """A step without drafts in a call of one row: one forward over the anchor, its token, one write.
+
+        What `step` and `commit` do for a batch, with Python integers for the row's length and its stop: between two
+        forwards of a small target, each tensor operation of the loop costs a share of a percent of a step (the first
+        ones after a forward, tens of microseconds), and plain decoding does a few dozen. The commit falls back to
+        `commit` where a stopping criterion beyond EOS and the budget, or a cache with holes or a sliding window,
+        needs its tensors."""
+        ids = self.sequences[:, length - 1 : length]  # the anchor, [1, 1]
+        positions = self.next_positions[:, None]
+        history = History(self.sequences, self.lengths, self.active)
+        mask = None if self.cache.mask is None else self.cache.extended_mask(torch.ones_like(ids, dtype=torch.bool))
+        drafted = self.recorder.clock()
+        raw, processed, features, trial, verified_at = self.linear.forward(ids, mask, positions, ids[:, :0], history)
+        if trial:
+            self.plan.trial()
+        chosen = self.generator.choose(processed[:, 0])  # [1]: the argmax, or one sample, as plain decoding's
+        token = int(chosen)
+        generated = length + 1 - self.prompt_len
+        cache = self.cache
+        if len(self.stop_rule.criteria) or cache.mask is not None or cache.window is not None:
+            ones = torch.ones(1, dtype=torch.long, device=chosen.device)
+            emitted = int(self.commit(chosen[:, None], ones, processed, raw, 1, features)[0])
+        else:
+            emitted = 1
+            self.generator.add_context(features, positions)
+            self.next_positions = self.next_positions + 1
+            self.sequences[0, length] = token
+            self.lengths[0] = length + 1
+            self.generator.committed(chosen[:, None], torch.ones_like(chosen))
+            for per_row, values in ((self.scores, processed), (self.raw_logits, raw)):
+                if per_row is not None:
+                    per_row[0].append(values[0, 0])
+            if self.streamer is not None:
+                self.streamer.put(chosen.cpu())
+            if generated >= self.max_new_tokens or token in self.eos_ids:
+                self.stopped_at[0] = self.limit = generated
+                self.active = self.active[:0]
+        predicted = self.plan.after_plain([0], [[token][:emitted]])
+        self.recorder.add(
+            rows=[0],
+            candidate_lengths=[1],
+            accepted=[0],
+            emitted=[emitted],
+            verify_width=1,
+            draft_time_s=drafted - start,
+            target_time_s=verified_at - drafted,
+            drafter_ran=False,
+            **predicted,
         )
 
     def _padded_rows(self) -> torch.Tensor | None:

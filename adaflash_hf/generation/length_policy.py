@@ -126,6 +126,10 @@ class StepPlan(Protocol):
         """The verified step's outcome (`verifiers.Verified`; ``emitted [R]``: the tokens each row committed, cut
         where it stopped); returns what the plan predicted and measured, for `record_stats()`."""
 
+    def after_plain(self, rows: list[int], committed: list[list[int]]) -> dict:
+        """`after_verify` for a step that verified no drafts and no paths (the loop's plain step of a one-row call):
+        ``committed``, per row, the tokens it committed."""
+
 
 class PolicyPlan:
     """The `StepPlan` of the ``fixed``, ``adaptive`` and ``confidence`` policies: the candidate generator applies the
@@ -160,4 +164,7 @@ class PolicyPlan:
         pass
 
     def after_verify(self, rows, verified, emitted) -> dict:
+        return {}
+
+    def after_plain(self, rows, committed) -> dict:
         return {}

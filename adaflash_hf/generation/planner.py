@@ -693,7 +693,8 @@ class VerificationPlanner:
         self, rows: list[int], room: torch.LongTensor, paths: list[list[int]] | None = None
     ) -> torch.LongTensor:
         self.begin()
-        self._remaining[rows] = room.detach().to("cpu", torch.float64) + 1
+        if len(rows) > 1:  # only `rates` of several rows read them
+            self._remaining[rows] = room.detach().to("cpu", torch.float64) + 1
         drafts = self.plan(rows, room)
         self._path_nodes, self._undrafted = 0, False
         if paths is not None:
@@ -756,13 +757,23 @@ class VerificationPlanner:
         accepted, offered = verified.accepted, verified.depth
         if verified.by_source is not None:  # the drafter's share of the step (the paths are scored apart)
             accepted, offered = verified.by_source["drafter"]
+        committed = None
+        if self._path_shadows or self._shadows:
+            committed = [tokens[:n] for tokens, n in zip(verified.committed.tolist(), emitted.tolist())]
+        return self._after(rows, verified.width, accepted.tolist(), offered.tolist(), committed)
+
+    def after_plain(self, rows: list[int], committed: list[list[int]]) -> dict:
+        zeros = [0] * len(rows)
+        return self._after(rows, 1, zeros, zeros, committed)
+
+    def _after(self, rows, width: int, accepted: list[int], offered: list[int], committed) -> dict:
+        """The step's bookkeeping: merged paths and probes scored against the tokens each row ``committed``
+        (per row of ``rows``), and the step observed (`observe`)."""
         if self._path_shadows:
-            counts = emitted.tolist()
-            self.score_paths(rows, [tokens[:n] for tokens, n in zip(verified.committed.tolist(), counts)])
-        step_s = self.observe(rows, verified.width, accepted.tolist(), offered.tolist())
+            self.score_paths(rows, committed)
+        step_s = self.observe(rows, width, accepted, offered)
         if self._shadows:
-            counts = emitted.tolist()
-            self.score_shadows(rows, [tokens[:n] for tokens, n in zip(verified.committed.tolist(), counts)])
+            self.score_shadows(rows, committed)
         return {"step_time_s": step_s, **(self.last_prediction or {})}
 
     # ------------------------------------------------------------------ choice

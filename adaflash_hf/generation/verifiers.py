@@ -100,9 +100,11 @@ class TargetForward:
             )
         verified_at = self.clock()
         raw = outputs.logits.float()
-        processed, _ = process_positions(
-            self.processors, history.sequences, history.lengths, raw.clone(), tokens=tokens, rows=history.rows
-        )
+        processed = raw  # processors change the logits in place: on a copy, the raw ones are an output too
+        if len(self.processors):
+            processed, _ = process_positions(
+                self.processors, history.sequences, history.lengths, raw.clone(), tokens=tokens, rows=history.rows
+            )
         return raw, processed, self.context_features(outputs.hidden_states), trial, verified_at
 
 
