@@ -93,6 +93,8 @@ def test_prompts_read_in_groups_are_prefill_not_verification(monkeypatch, word_t
         assert counter.processed_tokens == sum(len(step.rows) * step.verify_width for step in stats.steps)
         assert 0 < counter.prefill_seconds
         assert 0 < counter.step_seconds and counter.step_seconds <= sum(step.target_time_s for step in stats.steps)
+        # one gap between each two decoding forwards, none from a prompt's forwards
+        assert len(counter.gaps) == len(stats.steps) - 1 and all(gap > 0 for gap in counter.gaps)
 
 
 def test_report_table_and_plots(tmp_path, word_tokenizer):

@@ -8,6 +8,10 @@ accepted drafts plus one target token, which becomes the next anchor. With ``ada
 the continuations each row's committed context offers (`ngram.py`, an index the commits extend), the plan also
 decides how many of their tokens join the tree (and whether the drafter runs at all), and the tree verifies both.
 
+A call of one row takes the steps its plan leaves without drafts in `SpeculativeDecoding._plain_step`: one forward
+over the anchor, the token, and the commit with Python integers, so that a plain step costs what plain decoding's
+does.
+
 Batch > 1 (ragged acceptance): rows verify different numbers of tokens, padded to the longest; the target's cache
 (`cache.TargetCache`) keeps every row's rejected drafts and padding as masked holes, while each row carries explicit
 position ids, so every row computes exactly what it would compute alone. Rows that finish leave the batch and stop

@@ -78,8 +78,9 @@ class LengthPolicy:
 
 
 class StepPlan(Protocol):
-    """What the decoding loop asks a step's plan, once each per step, in this order. Plans only choose how many
-    drafts are verified; what is committed is the acceptance rule's, so no plan can change the output."""
+    """What the decoding loop asks a step's plan, once each per step, in this order (a one-row call's step without
+    drafts: `before_draft`, then `after_plain`). Plans only choose how many drafts are verified; what is committed is
+    the acceptance rule's, so no plan can change the output."""
 
     def before_draft(
         self, rows: list[int], room: torch.LongTensor, paths: list[list[int]] | None = None

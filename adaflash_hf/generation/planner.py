@@ -830,10 +830,11 @@ class VerificationPlanner:
         """The verify width of the next step for the active ``rows`` (at most ``max_width``); 1 = a plain step."""
         count, table = len(rows), self.table
         max_width = max(1, min(max_width, self.block_size))
-        plain, full = table.cost(count, 1), table.cost(count, max_width)
+        plain = table.cost(count, 1)
         self._probing, self._shadow_now, self._shadow_drafted, self.last_prediction = False, False, False, None
         if plain is None or max_width == 1 or not table.plain_known():
             return 1  # measure plain steps first: every other choice is compared with them
+        full = None if self.length_head else table.cost(count, max_width)  # with a head, the rate decides
         unmeasured = (table.drafting_speedup(count) if self.length_head else full) is None
         if self._promoted:  # a probe's block would have paid: draft for real, and measure what it costs
             self._promoted, self._probing = False, True

@@ -113,20 +113,24 @@ class ForwardCounter:
 
     A forward that starts from an empty cache reads a prompt (the prefill: one forward over the padded batch, or
     several over groups of rows, `adaflash_hf.generation.prefill`); those are left out of the counts, and
-    `prefill_seconds` is their wall time; `step_seconds` is the other forwards' (a plain step's, a verification's).
+    `prefill_seconds` is their wall time; `step_seconds` is the other forwards' (a plain step's, a verification's);
+    `gaps` holds the seconds between two consecutive such forwards (what the decoding loop does between them).
     """
 
     def __init__(self, model):
         self.model, self.sizes, self.prefill_seconds, self.step_seconds = model, [], 0.0, 0.0
-        self._started, self._prefill = None, False
+        self._started, self._prefill, self._ended, self.gaps = None, False, None, []
 
     def _before(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self._prefill = cache is None or cache.get_seq_length() == 0
+        self._started = time.perf_counter()
         if not self._prefill:
             self.sizes.append(ids.shape)
-        self._started = time.perf_counter()
+            if self._ended is not None:
+                self.gaps.append(self._started - self._ended)
+        self._ended = None
 
     def _after(self, module, args, output):
         if self._started is not None:
@@ -135,6 +139,7 @@ class ForwardCounter:
                 self.prefill_seconds += seconds
             else:
                 self.step_seconds += seconds
+                self._ended = self._started + seconds
             self._started = None
 
     @property
@@ -148,6 +153,7 @@ class ForwardCounter:
     @contextlib.contextmanager
     def counting(self):
         self.sizes, self.prefill_seconds, self.step_seconds, self._started = [], 0.0, 0.0, None
+        self._ended, self.gaps = None, []
         handles = [
             self.model.register_forward_pre_hook(self._before, with_kwargs=True),
             self.model.register_forward_hook(self._after),

@@ -16,6 +16,9 @@ take plainly is a loss. Measurements on the shipped held-out prompts, float32 gr
 
     python -m adaflash_demo.bench.never_agreeing --count --time --overhead --prompts-per-domain 4
 
+* ``--between-forwards``: plain ``generate()`` and the planner interleaved, greedy with no logits processor: the
+  median time between two decoding forwards of the target, each loop's own work per step (`between_forwards`).
+
 ``--save-drafter FOLDER`` only saves the never-agreeing drafter, for the side-by-side benchmark
 (``adaflash-demo bench --drafter FOLDER``).
 """
@@ -148,6 +151,39 @@ def overhead(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict
     return result
 
 
+def between_forwards(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
+    """Plain ``generate()`` and the planner interleaved call by call, greedy with no logits processor (calls end at
+    EOS or the budget: ``min_new_tokens`` would add a processor that costs plain decoding about 1 ms a step here):
+    the seconds between two consecutive decoding forwards of the target (`harness.ForwardCounter`), what each loop
+    does per step besides the target's forward (the loop's median is its plain steps': a never-agreeing drafter's
+    probes are a few percent of the steps), and the decoding forwards' own mean."""
+    plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    ours = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, adaflash_length_policy="planned")
+    counter = ForwardCounter(target)
+    gaps, forward_s, forwards = {"plain": [], "ours": []}, {"plain": 0.0, "ours": 0.0}, {"plain": 0, "ours": 0}
+    for ids in inputs[:2]:  # warm both paths
+        target.generate(**ids, generation_config=ours, assistant_model=drafter)
+        target.generate(**ids, generation_config=plain)
+    for repeat in range(repeats):
+        for ids in inputs:
+            for kind in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
+                extra = {"assistant_model": drafter} if kind == "ours" else {}
+                with counter.counting():
+                    target.generate(**ids, generation_config=ours if kind == "ours" else plain, **extra)
+                gaps[kind] += counter.gaps
+                forward_s[kind] += counter.step_seconds
+                forwards[kind] += len(counter.sizes)
+    return {
+        kind: {
+            "gaps": len(gaps[kind]),
+            "between_forwards_ms_median": round(1e3 * statistics.median(gaps[kind]), 3),
+            "between_forwards_ms_mean": round(1e3 * statistics.mean(gaps[kind]), 3),
+            "forward_ms_mean": round(1e3 * forward_s[kind] / forwards[kind], 2),
+        }
+        for kind in gaps
+    }
+
+
 def batches(tokenizer, texts: list[str], batch_size: int) -> list[dict]:
     """The prompts through the chat template, ``batch_size`` at a time, left-padded as generate() expects."""
     tokenizer.padding_side = "left"
@@ -163,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", action="store_true", help="count what the planner spends")
     parser.add_argument("--time", action="store_true", help="time plain generate() and the planner, interleaved")
     parser.add_argument("--overhead", action="store_true", help="split a token's time: forwards, drafts, the loop")
+    parser.add_argument(
+        "--between-forwards", action="store_true", help="what each loop does between two forwards of the target"
+    )
     parser.add_argument("--save-drafter", metavar="FOLDER", help="save the never-agreeing drafter here and stop")
     parser.add_argument("--prompts-per-domain", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -189,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             print(timed(target, drafter, inputs, args.max_new_tokens, args.repeats))
         if args.overhead:
             print(overhead(target, drafter, inputs, args.max_new_tokens, args.repeats))
+        if args.between_forwards:
+            print(between_forwards(target, drafter, inputs, args.max_new_tokens, args.repeats))
     return 0
 
 
