@@ -26,6 +26,7 @@ take plainly is a loss. Measurements on the shipped held-out prompts, float32 gr
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -101,6 +102,23 @@ def timed(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
     return {"calls": len(ratios), "ratio_mean": mean, "ratio_sd": spread, "ratio_95": half_width}
 
 
+def _interleaved(target, drafter, inputs, configs: dict, repeats: int):
+    """Warms plain ``generate()`` and the planner on the first two inputs, then yields ``(kind, generate)`` for every
+    input and repeat, the two interleaved call by call (their order alternating with the repeat); ``configs`` holds
+    each kind's `GenerationConfig`."""
+
+    def generate(ids, kind):
+        extra = {"assistant_model": drafter} if kind == "ours" else {}
+        return target.generate(**ids, generation_config=configs[kind], **extra)
+
+    for ids in inputs[:2]:  # warm both paths
+        generate(ids, "ours"), generate(ids, "plain")
+    for repeat in range(repeats):
+        for ids in inputs:
+            for kind in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
+                yield kind, functools.partial(generate, ids, kind)
+
+
 def overhead(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict:
     """Plain ``generate()`` and the planner, interleaved call by call, every call generating exactly
     ``max_new_tokens``: the prefill apart (every forward from an empty cache, `harness.ForwardCounter`), and per
@@ -111,24 +129,18 @@ def overhead(target, drafter, inputs, max_new_tokens: int, repeats: int) -> dict
     counter = ForwardCounter(target)
     keys = ("calls", "seconds", "prefill_s", "steps", "forward_s", "draft_s")
     totals = {kind: dict.fromkeys(keys, 0.0) for kind in ("plain", "ours")}
-    for ids in inputs[:2]:  # warm both paths
-        target.generate(**ids, generation_config=ours, assistant_model=drafter)
-        target.generate(**ids, generation_config=plain)
-    for repeat in range(repeats):
-        for ids in inputs:
-            for kind in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
-                extra = {"assistant_model": drafter} if kind == "ours" else {}
-                with adaflash_hf.record_stats() as stats, counter.counting():
-                    start = time.perf_counter()
-                    target.generate(**ids, generation_config=ours if kind == "ours" else plain, **extra)
-                    took = time.perf_counter() - start
-                total = totals[kind]
-                total["calls"] += 1
-                total["seconds"] += took
-                total["prefill_s"] += counter.prefill_seconds  # the prompt's forwards, grouped or not
-                total["steps"] += len(counter.sizes)
-                total["forward_s"] += counter.step_seconds
-                total["draft_s"] += sum(step.draft_time_s for step in stats.steps)
+    for kind, generate in _interleaved(target, drafter, inputs, {"plain": plain, "ours": ours}, repeats):
+        with adaflash_hf.record_stats() as stats, counter.counting():
+            start = time.perf_counter()
+            generate()
+            took = time.perf_counter() - start
+        total = totals[kind]
+        total["calls"] += 1
+        total["seconds"] += took
+        total["prefill_s"] += counter.prefill_seconds  # the prompt's forwards, grouped or not
+        total["steps"] += len(counter.sizes)
+        total["forward_s"] += counter.step_seconds
+        total["draft_s"] += sum(step.draft_time_s for step in stats.steps)
     result = {}
     for kind, total in totals.items():
         decoding = total["seconds"] - total["prefill_s"]
@@ -161,18 +173,12 @@ def between_forwards(target, drafter, inputs, max_new_tokens: int, repeats: int)
     ours = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, adaflash_length_policy="planned")
     counter = ForwardCounter(target)
     gaps, forward_s, forwards = {"plain": [], "ours": []}, {"plain": 0.0, "ours": 0.0}, {"plain": 0, "ours": 0}
-    for ids in inputs[:2]:  # warm both paths
-        target.generate(**ids, generation_config=ours, assistant_model=drafter)
-        target.generate(**ids, generation_config=plain)
-    for repeat in range(repeats):
-        for ids in inputs:
-            for kind in ("plain", "ours") if repeat % 2 == 0 else ("ours", "plain"):
-                extra = {"assistant_model": drafter} if kind == "ours" else {}
-                with counter.counting():
-                    target.generate(**ids, generation_config=ours if kind == "ours" else plain, **extra)
-                gaps[kind] += counter.gaps
-                forward_s[kind] += counter.step_seconds
-                forwards[kind] += len(counter.sizes)
+    for kind, generate in _interleaved(target, drafter, inputs, {"plain": plain, "ours": ours}, repeats):
+        with counter.counting():
+            generate()
+        gaps[kind] += counter.gaps
+        forward_s[kind] += counter.step_seconds
+        forwards[kind] += len(counter.sizes)
     return {
         kind: {
             "gaps": len(gaps[kind]),
