@@ -13,6 +13,7 @@ from test_generate_sampling import NEW, PROMPT, SAMPLING, exact_joint, p_value
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import adaflash_hf
+from adaflash_hf.generation import draft_head as draft_head_module
 from adaflash_hf.generation import planner as planner_module
 from adaflash_hf.generation.candidate_generator import AdaFlashCandidateGenerator
 from adaflash_hf.generation.measured import MeasuredChoice
@@ -877,20 +878,33 @@ def test_a_drafted_step_slowed_by_the_heads_trials_drafts_again_only_if_it_beat_
 def test_the_loop_keeps_the_draft_heads_dtype_trials_out_of_the_cost_table(monkeypatch):
     target = tiny_target()
     drafter = tiny_drafter(target)
-    marked = []
+    marked, timed = [], []
     monkeypatch.setattr(VerificationPlanner, "untimed", lambda self: marked.append(True))
     monkeypatch.setattr(planner_module, "FIRST_PROBE_INTERVAL", 1)
+    real_timed = draft_head_module._timed
+
+    def recording(head, hidden, dtype, *args):
+        timed.append(dtype)
+        return real_timed(head, hidden, dtype, *args)
+
+    monkeypatch.setattr(draft_head_module, "_timed", recording)
     config = GenerationConfig(
         max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD, adaflash_length_policy="planned"
     )
     profile_for(target, drafter).reset()  # the pair measures its draft head's dtype afresh
     config.adaflash_verify_layout = "linear"  # no layout trials: every mark is a dtype trial (test_verify_layout.py)
-    target.generate(torch.tensor([PROMPTS[0]]), assistant_model=drafter, generation_config=config)
+    for prompt in PROMPTS:  # until the options took turns: float32 first, then the bfloat16 copy
+        target.generate(torch.tensor([prompt]), assistant_model=drafter, generation_config=config)
+        if torch.bfloat16 in timed:
+            break
     # a float32 head on a CPU decides its dtype from TRIALS timed calls of each dtype per number of projected
-    # positions: those drafts are marked (a probe's block and a drafted step's few drafts are two counts)
+    # positions (a probe's block and a drafted step's few drafts are two counts): the drafts that timed the bfloat16
+    # copy are marked, and only they (a float32 trial is timed as a trial, in drafting's rates)
     choice = profile_for(target, drafter).head_kernels
     counts = {key[1] for key in [*choice.choices, *choice.timings]}
-    assert counts and 0 < len(marked) <= 2 * HEAD_KERNEL_TRIALS * len(counts)
+    bfloat16 = sum(dtype == torch.bfloat16 for dtype in timed)
+    assert counts and torch.float32 in timed and 0 < bfloat16 <= HEAD_KERNEL_TRIALS * len(counts)
+    assert len(marked) == bfloat16
 
 
 @pytest.mark.parametrize("kept_out", [True, False])

@@ -131,8 +131,13 @@ class DraftHead:
     Attributes:
         timed_kernel (`bool`): the last call timed one of the head's options (a step a little slower than later
             ones).
-        timed_dtype (`bool`): the last call timed an option while the dtype was still measured for its position
-            count (a bfloat16 product can cost several times a float32 one in the loop).
+        timed_dtype (`bool`): the last call timed the bfloat16 copy (in the loop, its product can cost several
+            times a float32 one: the step says nothing of later ones). A float32 kernel's trial differs from the
+            kept kernel by a fraction of the head's product, a few milliseconds of a step: such a step is timed
+            as a trial (`timed_kernel`), which counts in drafting's rates. Kept out of them as well, a new pair's
+            first drafted steps were, one position count after another, and drafting went on only step by step:
+            with an empty profile, math's first four calls drafted 65-86 steps (1.48-1.65x) where they now draft
+            89-92 (1.76-1.78x; BENCHMARKS.md section 43).
     """
 
     def __init__(
@@ -191,7 +196,7 @@ class DraftHead:
         dtype, kernel = self._resolve(option, positions)
         logits, seconds = _timed(self.head, hidden, dtype, self.vocab, self.profile, kernel)
         choice.record(key, option, seconds)
-        self.timed_kernel, self.timed_dtype = True, auto
+        self.timed_kernel, self.timed_dtype = True, option == BFLOAT16
         return logits
 
     def _resolve(self, option: str, positions: int) -> tuple[torch.dtype, str]:

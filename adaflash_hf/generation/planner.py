@@ -462,13 +462,13 @@ class CostTable:
         ]
 
 
-def _depth_counts(tokens: int) -> torch.Tensor:
-    """``[PATH_DEPTHS]``: how many of a path's first ``tokens`` tokens lie at each depth (the last depth holds all the
-    deeper ones)."""
-    counts = torch.zeros(PATH_DEPTHS, dtype=torch.float64)
-    counts[: min(tokens, PATH_DEPTHS)] = 1.0
-    counts[-1] += max(0, tokens - PATH_DEPTHS)
-    return counts
+def _add_depths(counts: torch.Tensor, tokens: int) -> None:
+    """Counts a path's first ``tokens`` tokens into ``counts [PATH_DEPTHS]``, one at each depth (the last depth holds
+    all the deeper ones)."""
+    if tokens > 0:
+        counts[: min(tokens, PATH_DEPTHS)] += 1.0
+    if tokens > PATH_DEPTHS:
+        counts[-1] += tokens - PATH_DEPTHS
 
 
 def batch_steps(steps: torch.Tensor, shrink: torch.Tensor) -> torch.Tensor:
@@ -795,7 +795,8 @@ class VerificationPlanner:
         """The rate of each step choice (`finish_rates`: ``committed [len(rows), C]``, ``costs [C]``) for this call's
         batch, whose rows' budgets `before_draft` saw last, each plain step's cost by row count from the table."""
         if len(rows) == 1 or not FINISH_TIME:  # one row: the summed rate, without the batch's arithmetic
-            return [None if cost is None else float(committed[:, c].sum()) / cost for c, cost in enumerate(costs)]
+            totals = committed.sum(0).tolist()
+            return [None if cost is None else totals[c] / cost for c, cost in enumerate(costs)]
         return finish_rates(committed, costs, self._remaining[rows], self._shrink(len(rows)))
 
     def _shrink(self, count: int) -> torch.Tensor:
@@ -894,8 +895,8 @@ class VerificationPlanner:
             matched, failed = match_committed(path, matched, present[row])
             if failed or matched == len(path):
                 # depths 1 .. matched accepted; the next one, where the path failed, scored and refused
-                self.path_successes[row] += _depth_counts(matched)
-                self.path_trials[row] += _depth_counts(matched + failed)
+                _add_depths(self.path_successes[row], matched)
+                _add_depths(self.path_trials[row], matched + failed)
                 del self._path_shadows[row]
                 resolved = True
             else:
