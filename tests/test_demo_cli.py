@@ -3,6 +3,7 @@ runs unless a limit is given) and on --target/--drafter (the synthetic checkpoin
 target's shipped streams, and `demo` on the real target itself (the README's main job, shortened)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,15 @@ def test_demo_runs_every_prompt_of_a_file_and_says_how_many(synthetic_checkpoint
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["domain"], r["n"], r["identical"]) for r in records] == [("mine", 5, 5), ("custom", 1, 1)]
     keys = {"domain", "identical", "n", "mean_acceptance_length", "plain_tokens_per_s", "adaflash_tokens_per_s"}
-    assert all(keys | {"speedup", "machine"} == set(r) for r in records)
+    assert all(keys | {"speedup", "speedup_low", "speedup_high", "machine"} == set(r) for r in records)
     assert "outputs identical to plain generate(): 6/6" in printed.out
+    # each speedup with its interval: a bootstrap over five calls brackets the point, one call has none
+    mine, custom = records
+    assert mine["speedup_low"] <= mine["speedup"] <= mine["speedup_high"]
+    assert math.isnan(custom["speedup_low"]) and math.isnan(custom["speedup_high"])
+    assert f"{mine['speedup']:.2f}x | [{mine['speedup_low']:.2f}, {mine['speedup_high']:.2f}] |" in printed.out
+    assert f"{custom['speedup']:.2f}x | - |" in printed.out
+    assert "each speedup is over 1-5 calls a domain" in printed.out
     # the machine, above the table and in every record
     machine = records[0]["machine"]
     assert machine == machine_info() and all(r["machine"] == machine for r in records)
@@ -41,6 +49,16 @@ def test_demo_runs_every_prompt_of_a_file_and_says_how_many(synthetic_checkpoint
     assert main([*args, "--prompts-per-domain", "2", "--json", str(out)]) == 0  # a limit given: it applies
     assert f"prompts: 3 from {path} (mine 2, custom 1)" in capsys.readouterr().err
     assert [r["n"] for r in map(json.loads, out.read_text().splitlines())] == [2, 1]
+
+    # repeats serve every prompt again: twice the outputs, each compared with plain generate()'s, and an interval
+    assert main([*args, "--prompts-per-domain", "2", "--repeats", "2", "--json", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["n"], r["identical"]) for r in records] == [(4, 4), (2, 2)]
+    assert not math.isnan(records[1]["speedup_low"])
+    assert "each speedup is over 2-4 calls a domain" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--repeats", "0"])
+    assert exit_info.value.code == 2 and "--repeats 0: give at least 1" in capsys.readouterr().err
 
 
 def test_bench_serves_a_whole_prompt_file_in_batches_per_domain(synthetic_checkpoints, tmp_path, capsys):

@@ -10,6 +10,7 @@ optionally ``domain`` (default ``"custom"``).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +102,11 @@ def read_prompt_file(path: str | Path) -> dict[str, list[str]]:
 
 @dataclass
 class DemoRecord:
-    """One domain of the demo, as ``--json`` writes it."""
+    """One domain of the demo, as ``--json`` writes it: ``n`` outputs (prompts times repeats), ``identical`` of them
+    the same as plain ``generate()``'s, and the speedup with its 95% interval (``speedup_low``, ``speedup_high``:
+    a paired bootstrap over the domain's calls, `harness.speedup_interval`; NaN with one call). Runs of identical work
+    differ by a few percent on a shared CPU, and a cell of four calls resolves about 5%: the interval says how far
+    its point can be trusted."""
 
     domain: str
     identical: int
@@ -110,11 +115,13 @@ class DemoRecord:
     plain_tokens_per_s: float
     adaflash_tokens_per_s: float
     speedup: float
+    speedup_low: float
+    speedup_high: float
 
 
 def demo_records(bench_records, counts: dict[str, int], method: str = DEMO_METHOD) -> list[DemoRecord]:
     """Pairs each domain's plain and AdaFlash (``method``) bench records into one demo record; ``counts`` holds the
-    prompts served per domain (at batch 1, one bench row per prompt)."""
+    outputs per domain (at batch 1, one bench row per prompt and repeat)."""
     by_key = {(r.domain, r.method): r for r in bench_records}
     records = []
     for domain, n in counts.items():
@@ -128,6 +135,8 @@ def demo_records(bench_records, counts: dict[str, int], method: str = DEMO_METHO
                 plain_tokens_per_s=round(plain.tokens_per_s, 2),
                 adaflash_tokens_per_s=round(fast.tokens_per_s, 2),
                 speedup=round(fast.speedup, 3),
+                speedup_low=round(fast.speedup_low, 3),
+                speedup_high=round(fast.speedup_high, 3),
             )
         )
     return records
@@ -135,12 +144,13 @@ def demo_records(bench_records, counts: dict[str, int], method: str = DEMO_METHO
 
 def markdown(records: list[DemoRecord]) -> str:
     lines = [
-        "| domain | identical | acceptance length | plain tok/s | AdaFlash tok/s | speedup |",
-        "|---|---|---|---|---|---|",
+        "| domain | identical | acceptance length | plain tok/s | AdaFlash tok/s | speedup | 95% interval |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in records:
+        interval = "-" if math.isnan(r.speedup_low) else f"[{r.speedup_low:.2f}, {r.speedup_high:.2f}]"
         lines.append(
             f"| {r.domain} | {r.identical}/{r.n} | {r.mean_acceptance_length:.2f} | {r.plain_tokens_per_s:.1f} | "
-            f"{r.adaflash_tokens_per_s:.1f} | {r.speedup:.2f}x |"
+            f"{r.adaflash_tokens_per_s:.1f} | {r.speedup:.2f}x | {interval} |"
         )
     return "\n".join(lines)
