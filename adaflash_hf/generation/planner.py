@@ -914,9 +914,11 @@ class VerificationPlanner:
         return [sum(d) for d in zip(*self.path_successes.tolist())], [sum(d) for d in zip(*self.path_trials.tolist())]
 
     def _path_conditional(self, rows: list[int]) -> list[list[float]]:
-        """`path_acceptance` in Python floats: the planner prices paths on every step that has one, and the same
-        arithmetic in small tensors took a few dozen operations, about 0.4 ms a step between two forwards of the
-        target (BENCHMARKS.md section 43)."""
+        """Per row of ``rows``, the probability that a merged path's ``j``-th token is accepted given the ones
+        before, at each of `PATH_DEPTHS`: the row's observations at each depth shrunk towards the call's pooled
+        ones, themselves shrunk towards the last call's. In Python floats: the planner prices paths on every step
+        that has one, and the same arithmetic in small tensors took a few dozen operations, about 0.4 ms a step
+        between two forwards of the target (BENCHMARKS.md section 43)."""
         successes, trials = self._path_totals()
         pooled = [
             (s + PRIOR_WEIGHT * p) / (t + PRIOR_WEIGHT)
@@ -930,12 +932,6 @@ class VerificationPlanner:
             ]
             for row_s, row_t in zip(own_s, own_t)
         ]
-
-    def path_acceptance(self, rows: list[int]) -> torch.Tensor:
-        """Per row, the probability that a merged path's ``j``-th token is accepted given the ones before,
-        ``[len(rows), PATH_DEPTHS]``: the row's observations at each depth shrunk towards the call's pooled ones,
-        themselves shrunk towards the last call's."""
-        return torch.tensor(self._path_conditional(rows), dtype=torch.float64)
 
     def _path_reach(self, rows: list[int], longest: int) -> list[list[float]]:
         reach = []
