@@ -472,6 +472,11 @@ def _add_depths(counts: torch.Tensor, tokens: int) -> None:
         counts[-1] += tokens - PATH_DEPTHS
 
 
+def _summed(rows: list[list[float]]) -> list[float]:
+    """Per column, the sum over ``rows`` (every row's path observations at each depth)."""
+    return [sum(column) for column in zip(*rows)]
+
+
 def batch_steps(steps: torch.Tensor, shrink: torch.Tensor) -> torch.Tensor:
     """How many steps of all ``R`` rows a batch's steps cost in all when row ``b`` leaves after ``steps [R, ...]``
     of them (one column per alternative): in the order the rows leave, the span of steps before the ``i``-th leaves
@@ -680,7 +685,7 @@ class VerificationPlanner:
         # [row, depth - 1]: accepted and scored path tokens at each depth (`score_paths`)
         self.path_successes = torch.zeros(batch_size, PATH_DEPTHS, dtype=torch.float64)
         self.path_trials = torch.zeros(batch_size, PATH_DEPTHS, dtype=torch.float64)
-        self._path_prior = torch.tensor(table.path_acceptance, dtype=torch.float64)  # this call's prior
+        self._path_prior = list(table.path_acceptance)  # this call's prior
         self._path_shadows: dict[int, list] = {}  # row -> [its path being scored, tokens matched so far]
         # A new call's prompts may draft well where the last call's did not: with `probe_first` it probes first
         # (within the budget), and the back-off the last call reached is kept up to `CALL_PROBE_INTERVAL`, so that
@@ -904,14 +909,11 @@ class VerificationPlanner:
                 self._path_shadows[row][1] = matched
         if not resolved:
             return
-        successes, trials = self._path_totals()
+        successes, trials = (_summed(counts.tolist()) for counts in (self.path_successes, self.path_trials))
         if any(trials):
-            prior = self._path_prior.tolist()
-            self.table.path_acceptance = [s / t if t > 0 else p for s, t, p in zip(successes, trials, prior)]
-
-    def _path_totals(self) -> tuple[list[float], list[float]]:
-        """Every row's path observations summed per depth: accepted tokens, scored tokens."""
-        return [sum(d) for d in zip(*self.path_successes.tolist())], [sum(d) for d in zip(*self.path_trials.tolist())]
+            self.table.path_acceptance = [
+                s / t if t > 0 else p for s, t, p in zip(successes, trials, self._path_prior)
+            ]
 
     def _path_conditional(self, rows: list[int]) -> list[list[float]]:
         """Per row of ``rows``, the probability that a merged path's ``j``-th token is accepted given the ones
@@ -919,12 +921,12 @@ class VerificationPlanner:
         ones, themselves shrunk towards the last call's. In Python floats: the planner prices paths on every step
         that has one, and the same arithmetic in small tensors took a few dozen operations, about 0.4 ms a step
         between two forwards of the target (BENCHMARKS.md section 43)."""
-        successes, trials = self._path_totals()
+        every_s, every_t = self.path_successes.tolist(), self.path_trials.tolist()
         pooled = [
             (s + PRIOR_WEIGHT * p) / (t + PRIOR_WEIGHT)
-            for s, t, p in zip(successes, trials, self._path_prior.tolist())
+            for s, t, p in zip(_summed(every_s), _summed(every_t), self._path_prior)
         ]
-        own_s, own_t = self.path_successes[rows].tolist(), self.path_trials[rows].tolist()
+        own_s, own_t = [every_s[row] for row in rows], [every_t[row] for row in rows]
         return [
             [
                 min(max((s + PRIOR_WEIGHT * q) / (t + PRIOR_WEIGHT), 0.0), 0.999)
