@@ -447,3 +447,18 @@ def test_the_projection_ab_switches_the_planners_projection_and_the_heads_kernel
     assert DraftHead._choice_key is rate_prior.METHODS["_choice_key"]
     assert verify_layout.routed is rate_prior.METHODS["routed"]
     assert planner.projected([0], torch.tensor([0.1]), cap).tolist() == [1]  # no width measured: one draft
+
+
+def test_the_attention_ab_switches_the_loops_grouped_query_attention_and_restores_it():
+    import contextlib
+
+    from adaflash_demo.bench import rate_prior
+    from adaflash_hf.generation import attention, decoding
+
+    assert decoding.grouped_query_attention is attention.grouped_query_attention
+    try:
+        rate_prior._set(rate_prior.variants(["planner before section 44"])["planner before section 44"][1])
+        assert decoding.grouped_query_attention is contextlib.nullcontext  # transformers' sdpa as it is
+    finally:
+        rate_prior._set(rate_prior.SHIPPED)
+    assert decoding.grouped_query_attention is attention.grouped_query_attention

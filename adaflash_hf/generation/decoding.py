@@ -19,7 +19,8 @@ costing compute.
 
 The prompt is read in one forward over the padded batch, as plain decoding reads it, or, on a CPU where the prompts'
 lengths differ enough, in groups of rows of similar length laid out as that forward would have (`prefill.py`,
-``adaflash_prefill``).
+``adaflash_prefill``). After it, the loop's forwards of several tokens read the shared key/value heads of
+grouped-query attention in place instead of copying them per query head (`attention.py`).
 
 Stopping is exact: a step's committed tokens are cut at EOS, at the token budget and at the first token where any
 other stopping criterion (stop strings, max time, custom criteria) fires, as plain decoding would have stopped there.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .attention import grouped_query_attention
 from .cache import TargetCache, reserve
 from .candidate_generator import AdaFlashCandidateGenerator, PathProposer
 from .checks import check_call
@@ -142,8 +144,9 @@ class SpeculativeDecoding:
     @torch.no_grad()
     def run(self):
         self.prefill()
-        while self.active.numel():
-            self.step()
+        with grouped_query_attention():  # the forwards of a few tokens after the prompt (`attention.py`)
+            while self.active.numel():
+                self.step()
         if self.streamer is not None:
             self.streamer.end()
         self.profile.save()

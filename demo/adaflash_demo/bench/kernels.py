@@ -11,15 +11,18 @@ prints the roofline: ``max(1, flops(k) / peak / plain step)`` plain steps, the a
 threads reach on a large product (timed here too), the memory side being the plain step itself.
 
 A length of 1 times the plain step itself with each kernel (would one speed up plain decoding?). The kernels reroute
-the target's linear layers as the loop does (`verify_layout.routed`); ``--function-mode`` adds each kernel rerouted
-from a `TorchFunctionMode` as the loop did before BENCHMARKS.md section 36 (``linear+mode``: the mode alone).
+the target's linear layers as the loop does (`verify_layout.routed`), and the forwards read grouped-query keys and
+values in place as the loop's do (`adaflash_hf.generation.attention`); ``--function-mode`` adds each kernel rerouted
+from a `TorchFunctionMode` as the loop did before BENCHMARKS.md section 36 (``linear+mode``: the mode alone);
+``--copied-kv`` adds each kernel with transformers' ``sdpa`` as it is, which copies the keys and values of every
+layer for a masked forward of several tokens, as the loop's forwards did before section 44 (``linear+copied_kv``).
 ``--compile`` adds a column for the whole forward compiled by ``torch.compile`` (inductor, dynamic shapes, so that
 one compilation serves every token count and context length), reporting what the compilation cost; it is a
 measurement only: the compiled forward fuses the normalisations, rotary embeddings and attention too, so its logits
 are not those of the model's own one-token step.
 
     python -m adaflash_demo.bench.kernels --batch-sizes 1,8 --lengths 1,2,3,4,8,16 [--threads 2] [--compile]
-        [--function-mode] [--json kernels.json]
+        [--function-mode] [--copied-kv] [--json kernels.json]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache
 
+from adaflash_hf.generation.attention import grouped_query_attention
 from adaflash_hf.generation.verify_layout import KERNELS, linear, routed, routed_linears
 from adaflash_hf.machine import machine_info, machine_summary
 from adaflash_hf.utils import write_json_atomic
@@ -63,6 +67,7 @@ def linear_params(model) -> int:
 
 COMPILED = "compiled"  # the `--compile` column's name
 MODE_SUFFIX = "+mode"  # `--function-mode` columns: a kernel rerouted by a `FunctionMode`
+COPIES_SUFFIX = "+copied_kv"  # `--copied-kv` columns: transformers' sdpa as it is (keys and values copied)
 
 
 class FunctionMode(TorchFunctionMode):
@@ -82,12 +87,20 @@ class FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
 def kernel_context(linears, kernel: str):
     """The context a forward through ``linears`` (`routed_linears`) runs ``kernel`` in: `routed` (the loop's), or
-    `FunctionMode` for a name ending in `MODE_SUFFIX`."""
-    if kernel.endswith(MODE_SUFFIX):
-        return FunctionMode(kernel.removesuffix(MODE_SUFFIX))
-    return routed(linears, kernel)
+    `FunctionMode` for a name ending in `MODE_SUFFIX`; with the loop's grouped-query attention unless the name ends
+    in `COPIES_SUFFIX`."""
+    copied = kernel.endswith(COPIES_SUFFIX)
+    kernel = kernel.removesuffix(COPIES_SUFFIX)
+    with contextlib.nullcontext() if copied else grouped_query_attention():
+        if kernel.endswith(MODE_SUFFIX):
+            with FunctionMode(kernel.removesuffix(MODE_SUFFIX)):
+                yield
+        else:
+            with routed(linears, kernel):
+                yield
 
 
 @torch.no_grad()
@@ -149,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add each kernel rerouted by a TorchFunctionMode (the loop's way before BENCHMARKS.md section 36)",
     )
+    parser.add_argument(
+        "--copied-kv",
+        action="store_true",
+        help="add each kernel with transformers' sdpa copying keys and values (the loop before BENCHMARKS.md 44)",
+    )
     parser.add_argument("--json", help="write the machine and the table here")
     args = parser.parse_args(argv)
     from ..smollm2 import TARGET_NAME, load_target
@@ -164,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels, compiled, compile_s = tuple(KERNELS), None, None
     if args.function_mode:
         kernels += tuple(name + MODE_SUFFIX for name in KERNELS)
+    if args.copied_kv:
+        kernels += tuple(name + COPIES_SUFFIX for name in KERNELS)
     if args.compile:
         compiled, compile_s = compile_forward(target, max(int(b) for b in args.batch_sizes.split(",")))
         kernels += (COMPILED,)

@@ -12,7 +12,10 @@ to logits in the head's ``linear`` product (``planner before section 35``: the A
 and the head's measured kernels, `draft_head.py`); and the planner as before section 36, whose forwards rerouted the
 target's linear layers from a `TorchFunctionMode` (``planner before section 36``: the A/B of `verify_layout.routed`);
 and the planner whose probes stay within half the shipped budget (``planner with half the probe budget``,
-`planner.PROBE_BUDGET`):
+`planner.PROBE_BUDGET`); and the planner as before section 44, whose forwards copied the keys and values of every
+grouped-query layer for each forward of several tokens (``planner before section 44``: the A/B of
+`attention.grouped_query_attention`). ``--ngram`` merges the context's n-gram paths into every planner variant's
+steps (the demo's method, ``adaflash_hybrid``):
 
     python -m adaflash_demo.bench.rate_prior --domains code,shell,chat --prompts-per-domain 16 --repeats 2
 
@@ -34,6 +37,7 @@ from transformers import GenerationConfig
 
 from adaflash_hf import record_stats
 from adaflash_hf.chat import render_prompt
+from adaflash_hf.generation import decoding as decoding_module
 from adaflash_hf.generation import planner as planner_module
 from adaflash_hf.generation import verify_layout
 from adaflash_hf.generation.draft_head import DraftHead
@@ -58,6 +62,7 @@ METHODS = {
     "projected": VerificationPlanner.projected,
     "_choice_key": DraftHead._choice_key,
     "routed": verify_layout.routed,
+    "grouped_query_attention": decoding_module.grouped_query_attention,
 }
 BEFORE_35 = {
     "projected": lambda self, rows, length_prediction, max_drafts: max_drafts,
@@ -67,8 +72,10 @@ BEFORE_35 = {
 BEFORE_36 = {
     "routed": lambda linears, kernel: contextlib.nullcontext() if kernel == "linear" else FunctionMode(kernel),
 }
+BEFORE_44 = {"grouped_query_attention": contextlib.nullcontext}  # transformers' sdpa, copying keys and values
 ALL = (
     "planner",
+    "planner before section 44",
     "planner before section 36",
     "planner before section 35",
     "planner without the bound",
@@ -84,6 +91,7 @@ def variants(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:
     """Name -> (length policy, the planner's constants while it runs), of ``names`` (default: `DEFAULT`)."""
     every = {
         "planner": ("planned", SHIPPED),
+        "planner before section 44": ("planned", {**SHIPPED, **BEFORE_44}),
         "planner before section 36": ("planned", {**SHIPPED, **BEFORE_36}),
         "planner before section 35": ("planned", {**SHIPPED, **BEFORE_36, **BEFORE_35}),
         "planner without the bound": ("planned", WITHOUT_BOUND),
@@ -100,19 +108,28 @@ def _set(constants: dict) -> None:
     VerificationPlanner.projected = constants.pop("projected")
     DraftHead._choice_key = constants.pop("_choice_key")
     verify_layout.routed = constants.pop("routed")
+    decoding_module.grouped_query_attention = constants.pop("grouped_query_attention")
     for name, value in constants.items():
         setattr(planner_module, name, value)
 
 
-def measure(target, tokenizer, drafter, texts: list[str], max_new_tokens: int, repeats: int, names) -> dict:
+def measure(
+    target, tokenizer, drafter, texts: list[str], max_new_tokens: int, repeats: int, names, ngram: bool = False
+) -> dict:
     """Per variant and plain: ``(tokens, seconds)`` per call; per planner variant, its drafted and all steps. Each
     variant has its own copy of the drafter, so its own runtime profile: what one variant's calls measured and
-    learnt (drafting's rate above all) is not the other's prior."""
+    learnt (drafting's rate above all) is not the other's prior. ``ngram``: the planner variants merge n-gram
+    paths."""
     chosen = variants(names)
     copies = {name: own_profile(target, copy.deepcopy(drafter), name) for name in chosen}
     plain = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
     configs = {
-        name: GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, adaflash_length_policy=policy)
+        name: GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            adaflash_length_policy=policy,
+            adaflash_ngram=ngram and policy == "planned",
+        )
         for name, (policy, _) in chosen.items()
     }
     inputs = [tokenizer(render_prompt(tokenizer, text), return_tensors="pt") for text in texts]
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     every = list(ALL)
     parser.add_argument("--variants", default=",".join(DEFAULT), help=f"comma-separated, among {every}")
+    parser.add_argument("--ngram", action="store_true", help="merge n-gram paths into the planner variants' steps")
     args = parser.parse_args(argv)
     names = args.variants.split(",")
     if set(names) - set(every):
@@ -173,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| domain | calls | {' | '.join(names)} |")
     print("|---|---|" + "---|" * len(names))
     for domain in prompts:
-        measured = measure(target, tokenizer, drafter, prompts[domain], args.max_new_tokens, args.repeats, names)
+        measured = measure(
+            target, tokenizer, drafter, prompts[domain], args.max_new_tokens, args.repeats, names, args.ngram
+        )
         print(report(domain, measured, names), flush=True)
     return 0
 
