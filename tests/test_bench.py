@@ -462,3 +462,25 @@ def test_the_attention_ab_switches_the_loops_grouped_query_attention_and_restore
     finally:
         rate_prior._set(rate_prior.SHIPPED)
     assert decoding.grouped_query_attention is attention.grouped_query_attention
+
+
+def test_the_kernel_bench_times_the_loops_attention_unless_asked_for_the_copies():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from adaflash_demo.bench.kernels import COPIES_SUFFIX, MODE_SUFFIX, FunctionMode, kernel_context
+    from adaflash_hf.generation.attention import gqa_sdpa_attention
+
+    layer = torch.nn.Linear(4, 4)
+    for kernel in ("linear", "transposed", "onednn" + MODE_SUFFIX):
+        with kernel_context([layer], kernel):
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is gqa_sdpa_attention
+            assert ("forward" in layer.__dict__) is (kernel == "transposed")  # routed as the loop routes it
+            assert isinstance(torch.overrides._get_current_function_mode(), FunctionMode) is kernel.endswith(
+                MODE_SUFFIX
+            )
+    for kernel in ("linear" + COPIES_SUFFIX, "transposed" + COPIES_SUFFIX):
+        with kernel_context([layer], kernel):
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+            assert ("forward" in layer.__dict__) is kernel.startswith("transposed")
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward and "forward" not in layer.__dict__
