@@ -68,6 +68,8 @@ def test_every_other_call_goes_to_the_function_it_replaced(copies):
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward
     ALL_ATTENTION_FUNCTIONS["sdpa"](layer, query, key, value, mask)  # after the block: transformers' own
     assert len(copies) == 6
+    sdpa(layer, query, key, value, mask)  # a reference kept past the block computes transformers' attention
+    assert len(copies) == 8
 
 
 def test_blocks_nest_and_a_users_own_sdpa_entry_is_kept():

@@ -7,9 +7,11 @@ are regrouped so that the key/value heads serve them as they are; with a mask an
 values are first copied once per query head of their group (``repeat_kv``), the whole cache, in every layer. The
 loop's forwards are exactly that last case: a verification forward has a mask (the cache's holes at batch > 1, a
 draft tree, or just the causal offset of a few tokens after a long context) and 2-16 query tokens, and so does the
-drafter's block. On a CPU those copies cost a verification forward of 2-3 tokens about a fifth of a plain step
-(BENCHMARKS.md section 44), where the arithmetic says the forward should cost about one plain step. torch's SDPA on a
-CPU takes ``enable_gqa`` with a mask too, reading the shared heads where they are.
+drafter's block. On a CPU those copies cost a verification forward of 2-3 tokens about a tenth of a plain step over a
+256-token context at batch 1, and a quarter at batch 8 (BENCHMARKS.md section 44), where the arithmetic says such a
+forward should cost about one plain step. torch's SDPA on a CPU takes ``enable_gqa`` with a mask too, reading the
+shared heads where they are. Other devices are left as transformers runs them: there its condition (no mask) keeps
+SDPA on its fused kernels, and nothing here measured otherwise.
 
 `grouped_query_attention` runs this thread's ``sdpa`` attention that way while the block runs: it puts a function in
 front of transformers' ``sdpa`` entry of `ALL_ATTENTION_FUNCTIONS` (the mapping the modeling code looks its attention
@@ -17,7 +19,7 @@ up in at every forward), which computes the masked, several-query case of a grou
 ``enable_gqa`` and hands every other call to the function it replaced: other threads, one query token, no mask, other
 devices, a position bias, a soft cap, dropout. The entry is restored when the last block that put it there leaves.
 
-Lossless: the same scaled dot products of the same float32 vectors, summed by the same kernel; only where the kernel
+Lossless: the same scaled dot products of the same vectors, summed by the same kernel; only where the kernel
 reads a key/value head from changes (the outputs are identical in the tests, bit for bit, on this kernel).
 """
 
@@ -27,11 +29,14 @@ import contextlib
 import threading
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _state = threading.local()  # depth: how many `grouped_query_attention` blocks this thread is in
 _lock = threading.Lock()
-_installed = {"blocks": 0, "previous": None}
+# the blocks in progress in every thread, and the `sdpa` function the first of them replaced (transformers' own when
+# none is: a reference to `gqa_sdpa_attention` kept past the blocks still computes transformers' attention)
+_installed = {"blocks": 0, "previous": sdpa_attention_forward}
 
 
 def _routes(module, query, attention_mask, dropout, kwargs) -> bool:
@@ -84,4 +89,4 @@ def grouped_query_attention():
                     del ALL_ATTENTION_FUNCTIONS["sdpa"]  # the local entry: transformers' own shows through again
                     if ALL_ATTENTION_FUNCTIONS["sdpa"] is not previous:
                         ALL_ATTENTION_FUNCTIONS["sdpa"] = previous  # it was a local entry itself
-                _installed["previous"] = None
+                _installed["previous"] = sdpa_attention_forward
